@@ -1,0 +1,497 @@
+"""Checkpoint discovery, header-level integrity checks and manifests.
+
+Reads files only; the one thing it writes is `<ckpt>/orchestrator-manifest.json`. Pure decision helpers
+(`check_header`, `completeness`, `check_adapter_config`, `pick_resume`) are separate from the I/O.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import re
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from orchestrator.types import CheckpointInfo
+
+MANIFEST = "orchestrator-manifest.json"
+CKPT_RE = re.compile(r"checkpoint-(\d+)")
+MERGED_RE = re.compile(r"checkpoint-(\d+)-merged")
+ITER_FILE = "latest_checkpointed_iteration.txt"
+CHUNK = 1 << 20
+MAX_HEADER = 100_000_000  # the safetensors library's own limit
+REDO = "do not resume from it; use an earlier checkpoint"
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+    "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
+    "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+
+@dataclass(frozen=True)
+class LoraExpect:
+    """What the recipe says the adapter must look like (None = do not check)."""
+
+    rank: int | None = None
+    alpha: int | None = None
+    targets: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Verification:
+    ok: bool
+    step: int | None
+    complete: bool
+    problems: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()      # safetensors files whose headers were checked, relative to path
+    tensors: int = 0
+    path: str = ""
+
+    def to_info(self, merged_path: str | None = None, loss: float | None = None) -> CheckpointInfo:
+        return CheckpointInfo(path=self.path, step=self.step if self.step is not None else -1,
+                              complete=self.complete, ok=self.ok, problems=self.problems,
+                              merged_path=merged_path, loss=loss)
+
+
+def _kb(n: int) -> str:
+    return f"{n / 1024:.1f} KB" if n < 1 << 20 else f"{n / (1 << 30):.2f} GiB"
+
+
+# ---------------------------------------------------------------- pure checks
+
+def check_header(header: Any, header_len: int, file_len: int, name: str) -> tuple[list[str], list[str]]:
+    """(problems, tensor names) for a parsed safetensors header of a file of `file_len` bytes."""
+    if not isinstance(header, dict):
+        return [f"{name}: header is not a JSON object; {REDO}"], []
+    spans, problems = [], []
+    for key, t in header.items():
+        if key == "__metadata__":
+            continue
+        if not (isinstance(t, dict) and isinstance(t.get("shape"), list)
+                and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+                and all(isinstance(x, int) and x >= 0 for x in t["shape"] + t["data_offsets"])):
+            problems.append(f"{name}: tensor '{key}' has a malformed header entry; {REDO}")
+            continue
+        bits = _DTYPE_BITS.get(t.get("dtype"))
+        begin, end = t["data_offsets"]
+        numel = 1
+        for d in t["shape"]:
+            numel *= d
+        if bits is None:
+            problems.append(f"{name}: tensor '{key}' has unknown dtype {t.get('dtype')!r}; {REDO}")
+        elif end < begin or numel * bits != (end - begin) * 8:
+            problems.append(f"{name}: tensor '{key}' {t['dtype']}{t['shape']} needs {numel * bits // 8} bytes "
+                            f"but data_offsets span {end - begin}; {REDO}")
+        spans.append((begin, end, key))
+    names = [k for k in header if k != "__metadata__"]
+    if not names:
+        return [f"{name}: holds no tensors (header only, {_kb(file_len)}): the save wrote no weights; check "
+                f"the save settings (save_safetensors, mcore-bridge version); {REDO}"], []
+    data_len = file_len - 8 - header_len
+    max_end = max((e for _, e, _ in spans), default=0)
+    if max_end > data_len:
+        key = max(spans, key=lambda s: s[1])[2]
+        problems.append(f"{name}: truncated: tensor '{key}' ends at byte {max_end} of the data region but only "
+                        f"{data_len} bytes follow the header (copy or save cut short); {REDO}")
+    elif max_end < data_len:
+        problems.append(f"{name}: {data_len - max_end} bytes of trailing garbage after the last tensor "
+                        f"(overwritten or appended file); {REDO}")
+    expected = 0
+    for begin, end, key in sorted(spans):
+        if begin != expected:
+            problems.append(f"{name}: tensor '{key}' starts at {begin}, expected {expected} "
+                            f"(overlapping or gapped tensors); {REDO}")
+            break
+        expected = end
+    return problems, names
+
+
+def completeness(backend: str | None, names: set[str], step: int, last_step: int | None,
+                 merged: bool = False, newer_exists: bool = False) -> str | None:
+    """None when checkpoint-`step` (whose entries are `names`) counts as fully written, else why not.
+
+    `last_step` is the step `<output_dir>/last-checkpoint` points at; the trainer moves it only after a
+    save is durable, so it (or a newer one) proves completeness for both backends.
+    """
+    if last_step is not None and last_step >= step:
+        return None
+    if merged:
+        # the merge of N finishes before checkpoint-(N+k) starts; otherwise weights + config must be there
+        if newer_exists or ("config.json" in names and names & {"model.safetensors", "model.safetensors.index.json"}):
+            return None
+        return "merged weights or config.json missing"
+    megatron_ok = ITER_FILE in names and ("adapter_model.safetensors" not in names or "adapter_config.json" in names)
+    if backend in (None, "megatron") and megatron_ok:
+        return None
+    if backend in (None, "swift") and "trainer_state.json" in names:
+        return None
+    if backend == "megatron":
+        return f"{ITER_FILE} missing" if ITER_FILE not in names else "adapter_config.json missing"
+    return "trainer_state.json missing and last-checkpoint does not point at it or later"
+
+
+def check_adapter_config(cfg: Any, expect: LoraExpect | None, name: str) -> list[str]:
+    if not isinstance(cfg, dict):
+        return [f"{name}: not a JSON object; {REDO}"]
+    if expect is None:
+        return []
+    problems = []
+    for key, want, flag in (("r", expect.rank, "lora_rank"), ("lora_alpha", expect.alpha, "lora_alpha")):
+        if want is not None and cfg.get(key) != want:
+            problems.append(f"{name}: {key}={cfg.get(key)!r} but the recipe expects {flag}={want}: the adapter "
+                            f"belongs to a different recipe; do not resume from it with this recipe")
+    if expect.targets is not None:
+        have = cfg.get("target_modules")
+        if tuple(expect.targets) == ("all-linear",):
+            good = have == "all-linear" or isinstance(have, list)
+        else:
+            good = isinstance(have, list) and set(expect.targets) <= set(have)
+        if not good:
+            problems.append(f"{name}: target_modules={have!r} does not cover the recipe's {list(expect.targets)}; "
+                            f"do not resume from it with this recipe")
+    return problems
+
+
+def pick_resume(infos: Sequence[CheckpointInfo], manifests: Mapping[str, Mapping | None] | None = None,
+                recipe_hash: str | None = None, require_manifest: bool = True
+                ) -> tuple[CheckpointInfo | None, list[str]]:
+    """Newest ok checkpoint (whose manifest recipe_hash matches, when a hash is given) and why newer ones were passed over."""
+    passed = []
+    for info in sorted(infos, key=lambda i: i.step, reverse=True):
+        name = Path(info.path).name
+        if not info.ok:
+            passed.append(f"{name}: " + ("; ".join(info.problems) or "not ok"))
+            continue
+        if recipe_hash is not None:
+            m = (manifests or {}).get(info.path)
+            if m is None:
+                if require_manifest:
+                    passed.append(f"{name}: no manifest, recipe unknown")
+                    continue
+            elif m.get("recipe_hash") != recipe_hash:
+                passed.append(f"{name}: written by recipe {m.get('recipe_hash')}, not {recipe_hash}")
+                continue
+        return info, passed
+    return None, passed
+
+
+def latest_good(infos: Sequence[CheckpointInfo], manifests: Mapping[str, Mapping | None] | None = None,
+                recipe_hash: str | None = None, require_manifest: bool = True) -> CheckpointInfo | None:
+    return pick_resume(infos, manifests, recipe_hash, require_manifest)[0]
+
+
+# ---------------------------------------------------------------- file checks
+
+def read_safetensors(path: Path, name: str) -> tuple[list[str], list[str]]:
+    """(problems, tensor names) from the header alone: reads 8 + N bytes, never tensor data."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) < 8:
+                return [f"{name}: {size} bytes, too short for a safetensors header; {REDO}"], []
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER or n > size - 8:
+                return [f"{name}: header length {n} exceeds the file ({size} bytes): truncated or not "
+                        f"safetensors; {REDO}"], []
+            header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as e:
+        return [f"{name}: header is not valid JSON ({e}); {REDO}"], []
+    except OSError as e:
+        return [f"{name}: cannot read ({e.strerror})"], []
+    problems, names = check_header(header, n, size, name)
+    if not problems:
+        try:  # the library's parse is authoritative; it mmaps and reads the header only
+            from safetensors import safe_open
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any library rejection is a finding
+            problems.append(f"{name}: rejected by the safetensors library ({e}); {REDO}")
+    return problems, names
+
+
+def _load_json(path: Path, name: str, problems: list[str]) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"{name}: unreadable or not JSON ({e}); {REDO}")
+        return None
+
+
+def _link_step(output_dir: Path) -> int | None:
+    try:
+        return int(CKPT_RE.fullmatch(Path(os.readlink(output_dir / "last-checkpoint")).name).group(1))
+    except (OSError, AttributeError):
+        return None
+
+
+def _int_file(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,
+           *, backend: str | None = None) -> Verification:
+    """Verify a checkpoint dir, a `-merged` dir, a single .safetensors file, or an output_dir (its newest checkpoint)."""
+    p = Path(path)
+    if p.is_file():
+        problems, names = read_safetensors(p, p.name)
+        return Verification(not problems, None, True, tuple(problems), (p.name,), len(names), str(p))
+    m, mm = CKPT_RE.fullmatch(p.name), MERGED_RE.fullmatch(p.name)
+    if not p.is_dir():
+        return Verification(False, None, False, (f"{p}: no such checkpoint directory or file",), path=str(p))
+    if not (m or mm):
+        infos = [q for q in p.iterdir() if CKPT_RE.fullmatch(q.name) and q.is_dir()]
+        if not infos:
+            return Verification(False, None, False, (f"{p}: no checkpoint-N directories",), path=str(p))
+        return verify(max(infos, key=lambda q: int(q.name.split("-")[1])), expect, full_checksum, backend=backend)
+    step, merged = int((m or mm).group(1)), mm is not None
+    names = {e.name for e in p.iterdir()}
+    newer = any((q := CKPT_RE.fullmatch(e.name)) and int(q.group(1)) > step for e in p.parent.iterdir())
+    why = completeness(backend, names, step, _link_step(p.parent), merged, newer)
+    if why is not None:
+        return Verification(False, step, False, (f"{p.name}: incomplete: {why} (still being written?); wait for "
+                                                 f"the save to finish or resume from an earlier checkpoint",),
+                            path=str(p))
+    problems: list[str] = []
+    it = _int_file(p / ITER_FILE) if ITER_FILE in names else None
+    if ITER_FILE in names and it is None:
+        problems.append(f"{p.name}/{ITER_FILE}: not an iteration number; resume would fail; {REDO}")
+    state = _load_json(p / "trainer_state.json", f"{p.name}/trainer_state.json", problems) \
+        if "trainer_state.json" in names else None
+    gstep = state.get("global_step") if isinstance(state, dict) else None
+    for label, got in ((ITER_FILE, it), ("trainer_state.json global_step", gstep)):
+        if got is not None and got != step:
+            problems.append(f"{p.name}/{label} says step {got}, the directory says {step}: mixed-up checkpoint; "
+                            f"do not resume from it")
+    files, all_names, per_file = [], [], {}
+    for f in sorted(p.rglob("*.safetensors")):
+        rel = f.relative_to(p).as_posix()
+        probs, tnames = read_safetensors(f, f"{p.name}/{rel}")
+        problems += probs
+        files.append(rel)
+        all_names += tnames
+        per_file[rel] = set(tnames)
+    if merged:
+        _check_index(p, per_file, problems)
+    else:
+        _check_adapter(p, names, backend, step, expect, all_names, problems)
+    if full_checksum and (manifest := read_manifest(p)) is not None:
+        problems += manifest_matches(p, manifest)
+    return Verification(not problems, step, True, tuple(problems), tuple(files), len(all_names), str(p))
+
+
+def _check_adapter(p: Path, names: set[str], backend: str | None, step: int, expect: LoraExpect | None,
+                   tensor_names: list[str], problems: list[str]) -> None:
+    iter_dir = p / f"iter_{step:07d}"
+    is_megatron = backend == "megatron" or (backend is None and ITER_FILE in names)
+    if is_megatron and not (iter_dir / "common.pt").is_file():
+        problems.append(f"{p.name}/{iter_dir.name}/common.pt missing: the mcore save did not finish and "
+                        f"resume cannot read the iteration; resume from an earlier checkpoint")
+    if "adapter_model.safetensors" in names:
+        if "adapter_config.json" not in names:
+            problems.append(f"{p.name}/adapter_config.json missing next to adapter_model.safetensors; {REDO}")
+        else:
+            cfg = _load_json(p / "adapter_config.json", f"{p.name}/adapter_config.json", problems)
+            if cfg is not None:
+                problems += check_adapter_config(cfg, expect, f"{p.name}/adapter_config.json")
+        if tensor_names and not (any("lora_A" in n for n in tensor_names) and any("lora_B" in n for n in tensor_names)):
+            problems.append(f"{p.name}/adapter_model.safetensors: no lora_A/lora_B tensors (e.g. "
+                            f"{tensor_names[0]!r}): not a LoRA adapter; {REDO}")
+    elif not (is_megatron and iter_dir.is_dir() and any(iter_dir.glob("*.distcp"))):
+        problems.append(f"{p.name}: no adapter weights (adapter_model.safetensors or mcore shards); {REDO}")
+
+
+def _check_index(p: Path, per_file: dict[str, set[str]], problems: list[str]) -> None:
+    idx = p / "model.safetensors.index.json"
+    if not idx.exists():
+        return
+    data = _load_json(idx, f"{p.name}/{idx.name}", problems)
+    wmap = (data or {}).get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict):
+        if data is not None:
+            problems.append(f"{p.name}/{idx.name}: no weight_map; {REDO}")
+        return
+    for shard in sorted(set(wmap.values())):
+        if shard not in per_file:
+            problems.append(f"{p.name}/{shard}: listed in {idx.name} but missing; {REDO}")
+    missing = [k for k, s in wmap.items() if s in per_file and k not in per_file[s]]
+    if missing:
+        problems.append(f"{p.name}/{idx.name}: {len(missing)} tensors (e.g. {missing[0]!r}) absent from their "
+                        f"shard; {REDO}")
+
+
+def _trainer_loss(ckpt: Path, step: int) -> float | None:
+    try:
+        hist = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
+        return [float(r["loss"]) for r in hist if "loss" in r and r.get("step", step + 1) <= step][-1]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+
+
+def _jsonl_losses(path: Path) -> dict[int, float]:
+    """step -> last logged training loss from logging.jsonl (a resumed run appends, so the last wins)."""
+    out: dict[int, float] = {}
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if b'"loss"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                    cur = rec.get("iteration") or rec.get("global_step/max_steps")
+                    out[int(str(cur).split("/")[0])] = float(rec["loss"])
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    continue
+    except OSError:
+        pass
+    return out
+
+
+def discover(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None = None) -> list[CheckpointInfo]:
+    """Every checkpoint-N/ under output_dir, verified (headers only), sorted by step."""
+    out = Path(output_dir)
+    try:
+        entries = {e.name: e for e in out.iterdir()}
+    except OSError:
+        return []
+    infos, jsonl = [], None
+    for name in sorted((n for n in entries if CKPT_RE.fullmatch(n) and entries[n].is_dir()),
+                       key=lambda n: int(n.split("-")[1])):
+        v = verify(entries[name], expect, backend=backend)
+        merged = entries.get(f"{name}-merged")
+        manifest = read_manifest(entries[name])
+        loss = (manifest or {}).get("loss")
+        if loss is None:
+            loss = _trainer_loss(entries[name], v.step)
+        if loss is None and "logging.jsonl" in entries:
+            jsonl = _jsonl_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
+            loss = max(((s, l) for s, l in jsonl.items() if s <= v.step), default=(0, None))[1]
+        infos.append(v.to_info(str(merged) if merged and merged.is_dir() else None, loss))
+    return infos
+
+
+def verify_report(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,
+                  backend: str | None = None) -> dict:
+    """The JSON of `orchestrator verify PATH --json`."""
+    v = verify(path, expect, full_checksum, backend=backend)
+    return {"ok": v.ok, "step": v.step, "complete": v.complete, "problems": list(v.problems), "path": v.path}
+
+
+# ---------------------------------------------------------------- manifests
+
+def list_files(root: str | os.PathLike) -> list[str]:
+    """Regular files under root (relative, sorted), without the manifest and its temp files."""
+    root = Path(root)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for fn in filenames:
+            full = Path(dirpath, fn)
+            if fn.startswith(MANIFEST) or fn.startswith("." + MANIFEST) or full.is_symlink():
+                continue
+            out.append(full.relative_to(root).as_posix())
+    return sorted(out)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_all(paths: list[Path]) -> list[str]:
+    # hashlib releases the GIL on large updates, so a few threads overlap I/O and hashing
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(paths)))) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    # pid and thread: the supervisor and its sync thread may both write a manifest at once.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def build_manifest(ckpt: str | os.PathLike, step: int, recipe_hash: str | None, loss: float | None = None) -> dict:
+    ckpt = Path(ckpt)
+    rels = list_files(ckpt)
+    sizes = [(ckpt / r).stat().st_size for r in rels]
+    hashes = _hash_all([ckpt / r for r in rels])
+    return {"step": step, "recipe_hash": recipe_hash, "created_at": time.time(), "loss": loss,
+            "files": [{"path": r, "size": s, "sha256": h} for r, s, h in zip(rels, sizes, hashes)]}
+
+
+def write_manifest(ckpt_path: str | os.PathLike, step: int, recipe_hash: str | None, loss: float | None = None) -> Path:
+    """Hash every file (streamed, 1 MiB chunks) and write `<ckpt>/orchestrator-manifest.json` atomically."""
+    return write_json_atomic(Path(ckpt_path) / MANIFEST, build_manifest(ckpt_path, step, recipe_hash, loss))
+
+
+def read_manifest(ckpt: str | os.PathLike) -> dict | None:
+    try:
+        data = json.loads((Path(ckpt) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("files"), list) else None
+
+
+def manifest_matches(dir: str | os.PathLike, manifest: Mapping, checksums: bool = True) -> list[str]:
+    """Problems where `dir` differs from `manifest` (missing files, sizes, sha256)."""
+    d = Path(dir)
+    problems, to_hash = [], []
+    for ent in manifest.get("files", []):
+        f = d / ent["path"]
+        try:
+            size = f.stat().st_size
+        except OSError:
+            problems.append(f"{d.name}/{ent['path']}: missing (listed in the manifest)")
+            continue
+        if size != ent["size"]:
+            problems.append(f"{d.name}/{ent['path']}: {size} bytes, the manifest says {ent['size']}")
+        elif checksums:
+            to_hash.append(ent)
+    for ent, got in zip(to_hash, _hash_all([d / e["path"] for e in to_hash]) if to_hash else []):
+        if got != ent["sha256"]:
+            problems.append(f"{d.name}/{ent['path']}: sha256 differs from the manifest (changed or corrupted "
+                            f"after verification)")
+    return problems
+
+
+def manifest_stale(ckpt: str | os.PathLike, manifest: Mapping) -> bool:
+    """True when files were added, removed, resized or touched after the manifest was written (stat only)."""
+    ckpt = Path(ckpt)
+    try:
+        written = (ckpt / MANIFEST).stat().st_mtime_ns
+        listed = {e["path"]: e["size"] for e in manifest["files"]}
+        rels = list_files(ckpt)
+        if set(rels) != set(listed):
+            return True
+        for r in rels:
+            st = (ckpt / r).stat()
+            if st.st_size != listed[r] or st.st_mtime_ns > written:
+                return True
+    except (OSError, KeyError, TypeError):
+        return True
+    return False

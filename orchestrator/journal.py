@@ -1,0 +1,112 @@
+"""The run's journal: SQLite in WAL mode, so `status`/`history` read it while the supervisor writes.
+
+Tables: attempts (one row per launch), events (what happened, for people), checkpoints (what was
+verified and synced), kv (current state, progress, recipe hash: the live status).
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from orchestrator.types import Attempt, CrashClass
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS attempts (
+    n INTEGER PRIMARY KEY, started_at REAL NOT NULL, ended_at REAL, pid INTEGER, pid_start_time REAL,
+    port INTEGER, exit_code INTEGER, signal INTEGER, cls TEXT, evidence TEXT NOT NULL DEFAULT '[]',
+    start_step INTEGER, end_step INTEGER, resumed_from TEXT, log_path TEXT,
+    first_step_at REAL, last_step_at REAL, hang_detected_at REAL);
+CREATE TABLE IF NOT EXISTS spans (start REAL NOT NULL, end REAL NOT NULL, kind TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS checkpoints (
+    step INTEGER PRIMARY KEY, path TEXT NOT NULL, ok INTEGER NOT NULL, problems TEXT NOT NULL DEFAULT '[]',
+    loss REAL, recipe_hash TEXT, verified_at REAL, synced_at REAL);
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+def journal_path(state_dir: Path) -> Path:
+    return state_dir / "journal.sqlite"
+
+
+class Journal:
+    def __init__(self, path: Path, readonly: bool = False):
+        self.path = path
+        if readonly:
+            self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10, check_same_thread=False)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(SCHEMA)
+        self.db.row_factory = sqlite3.Row
+
+    def close(self) -> None:
+        self.db.close()
+
+    # --- attempts
+    def record_attempt(self, a: Attempt) -> None:
+        row = asdict(a)
+        row["evidence"] = json.dumps(list(a.evidence))
+        row["cls"] = a.cls.value if a.cls else None
+        cols = ", ".join(row)
+        self.db.execute(f"INSERT OR REPLACE INTO attempts ({cols}) VALUES ({', '.join('?' * len(row))})",
+                        list(row.values()))
+
+    def attempts(self) -> list[Attempt]:
+        out = []
+        for r in self.db.execute("SELECT * FROM attempts ORDER BY n"):
+            d = {f.name: r[f.name] for f in fields(Attempt)}
+            d["evidence"] = tuple(json.loads(d["evidence"] or "[]"))
+            d["cls"] = CrashClass(d["cls"]) if d["cls"] else None
+            out.append(Attempt(**d))
+        return out
+
+    def last_attempt(self) -> Attempt | None:
+        rows = self.attempts()
+        return rows[-1] if rows else None
+
+    # --- events
+    def event(self, kind: str, message: str, **data) -> None:
+        self.db.execute("INSERT INTO events (at, kind, message, data) VALUES (?, ?, ?, ?)",
+                        (time.time(), kind, message, json.dumps(data, default=str)))
+
+    def events(self, limit: int = 50) -> list[dict]:
+        rows = self.db.execute("SELECT at, kind, message, data FROM events ORDER BY id DESC LIMIT ?", (limit,))
+        return [{"at": r["at"], "kind": r["kind"], "message": r["message"], "data": json.loads(r["data"])}
+                for r in rows][::-1]
+
+    # --- checkpoints
+    def record_checkpoint(self, step: int, path: str, ok: bool, problems: tuple[str, ...] = (),
+                          loss: float | None = None, recipe_hash: str | None = None) -> None:
+        self.db.execute("INSERT OR REPLACE INTO checkpoints (step, path, ok, problems, loss, recipe_hash, verified_at,"
+                        " synced_at) VALUES (?, ?, ?, ?, ?, ?, ?, (SELECT synced_at FROM checkpoints WHERE step = ?))",
+                        (step, path, int(ok), json.dumps(list(problems)), loss, recipe_hash, time.time(), step))
+
+    def mark_synced(self, step: int) -> None:
+        self.db.execute("UPDATE checkpoints SET synced_at = ? WHERE step = ?", (time.time(), step))
+
+    def checkpoints(self) -> list[dict]:
+        return [dict(r) | {"problems": json.loads(r["problems"])}
+                for r in self.db.execute("SELECT * FROM checkpoints ORDER BY step")]
+
+    # --- time between attempts (cleanup, verify, wait, backoff), for goodput
+    def span(self, start: float, end: float, kind: str) -> None:
+        self.db.execute("INSERT INTO spans (start, end, kind) VALUES (?, ?, ?)", (start, end, kind))
+
+    def spans(self) -> list[tuple[float, float, str]]:
+        return [tuple(r) for r in self.db.execute("SELECT start, end, kind FROM spans ORDER BY start")]
+
+    # --- live status
+    def put(self, **values) -> None:
+        self.db.executemany("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)",
+                            [(k, json.dumps(v, default=str)) for k, v in values.items()])
+
+    def get_all(self) -> dict:
+        return {r["key"]: json.loads(r["value"]) for r in self.db.execute("SELECT key, value FROM kv")}

@@ -1,0 +1,136 @@
+"""`orchestrator plan`: the exact command, the recipe hash, a memory estimate and pre-flight checks.
+
+Checks read the filesystem, NVML and a socket; each is a small function returning a Check, so the
+same list serves `plan` (print everything) and `run` (refuse to launch on a fatal failure).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+from orchestrator import estimate, gpu
+from orchestrator.recipe import Recipe, expert_count, read_model_config, recipe_hash
+from orchestrator.render.command import render_command
+from orchestrator.types import Check, GpuSnapshot
+
+GIB = 1024**3
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def first_free_port(lo: int, hi: int, avoid: set[int] = frozenset()) -> int | None:
+    return next((p for p in range(lo, hi + 1) if p not in avoid and port_free(p)), None)
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_model(r: Recipe) -> Check:
+    d = Path(r.model.path)
+    if not (d / "config.json").is_file():
+        return Check("model", False, f"{d}: no config.json (model.path must be a local HF model directory)")
+    weights = list(d.glob("*.safetensors"))
+    if not weights:
+        return Check("model", False, f"{d}: config.json found but no *.safetensors weights")
+    return Check("model", True, f"{d}: config.json and {len(weights)} safetensors file(s)")
+
+
+def check_data(r: Recipe) -> Check:
+    local = [p for p in r.data.dataset + r.data.val_dataset if p.startswith("/")]
+    missing = [p for p in local if not Path(p.split("#")[0]).exists()]
+    if missing:
+        return Check("dataset", False, f"missing: {', '.join(missing)}")
+    remote = len(r.data.dataset + r.data.val_dataset) - len(local)
+    detail = f"{len(local)} local file(s) found"
+    if remote:
+        return Check("dataset", False, f"{detail}; {remote} non-local dataset id(s): runs are offline, use local files")
+    return Check("dataset", True, detail)
+
+
+def free_gib(path: str) -> float:
+    return shutil.disk_usage(_existing_parent(Path(path))).free / GIB
+
+
+def check_disk(name: str, path: str | None, need_gib: float) -> Check:
+    if path is None:
+        return Check(f"disk:{name}", True, "not configured", fatal=False)
+    free = free_gib(path)
+    return Check(f"disk:{name}", free >= need_gib, f"{path}: {free:.1f} GiB free (want >= {need_gib:g} GiB)")
+
+
+def check_gpus(r: Recipe, snap: GpuSnapshot) -> Check:
+    if not r.gpu.check:
+        return Check("gpus", True, "GPU checks disabled (gpu.check = false)", fatal=False)
+    if snap.error:
+        return Check("gpus", False, f"cannot read GPUs: {snap.error} (no NVIDIA driver on this machine?)")
+    n = len(snap.gpus)
+    want = r.parallel.nproc_per_node
+    return Check("gpus", n >= want, f"NVML sees {n} GPU(s), recipe needs nproc_per_node = {want}")
+
+
+def check_port(r: Recipe) -> Check:
+    lo, hi = r.supervisor.port_range
+    port = first_free_port(lo, hi)
+    if port is None:
+        return Check("rendezvous_port", False, f"no free port in {lo}-{hi}")
+    return Check("rendezvous_port", True, f"{port} free (range {lo}-{hi})")
+
+
+def check_layout(r: Recipe) -> list[Check]:
+    p, o = r.parallel, r.optim
+    experts = expert_count(r)
+    if experts is None:
+        ep = Check("experts_divisible_by_ep", False, "expert count unknown (no config.json; set model.num_experts)", fatal=False)
+    else:
+        ep = Check("experts_divisible_by_ep", experts % p.expert == 0, f"{experts} experts / EP {p.expert}")
+    dp = p.data_parallel
+    gbs = Check("global_batch_divisible", o.global_batch_size % (o.micro_batch_size * dp) == 0,
+                f"global {o.global_batch_size} / (micro {o.micro_batch_size} x DP {dp})")
+    return [ep, gbs]
+
+
+def preflight(r: Recipe, snap: GpuSnapshot) -> list[Check]:
+    return [check_model(r), check_data(r), check_disk("output_dir", r.run.output_dir, r.supervisor.min_free_gib),
+            check_disk("persistent_dir", r.run.persistent_dir, r.supervisor.min_free_gib), check_gpus(r, snap), check_port(r),
+            *check_layout(r)]
+
+
+def memory(r: Recipe, snap: GpuSnapshot) -> estimate.MemoryEstimate:
+    cfg = read_model_config(r)
+    total_bytes = None
+    try:
+        index = json.loads((Path(r.model.path) / "model.safetensors.index.json").read_text())
+        total_bytes = int(index["metadata"]["total_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    cfg = cfg or estimate.known_config(r.model.path)
+    shape = estimate.shape_from_config(cfg, total_bytes) if cfg else None
+    capacity = snap.gpus[0].memory_total_bytes / GIB if snap.gpus else r.gpu.capacity_gib
+    return estimate.estimate(r, shape, capacity)
+
+
+def plan(r: Recipe, reader: gpu.GpuReader | None = None) -> dict:
+    snap = (reader or gpu.reader(r.gpu.check)).snapshot()
+    checks = preflight(r, snap)
+    lo, _ = r.supervisor.port_range
+    cmd = render_command(r, None, first_free_port(*r.supervisor.port_range) or lo)
+    return {
+        "argv": list(cmd.argv),
+        "env": cmd.env,
+        "recipe_hash": recipe_hash(r),
+        "backend": r.run.backend,
+        "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail, "fatal": c.fatal} for c in checks],
+        "memory": memory(r, snap).as_dict(),
+    }

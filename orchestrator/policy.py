@@ -1,0 +1,92 @@
+"""What to do about a finished or stuck attempt. Pure functions of data; table-tested.
+
+Per-class actions (the field procedure, made explicit):
+  port_in_use        relaunch at once on a fresh port; not counted against the crash budget
+  nccl_*             relaunch after wait_s + nccl_settle_s (NCCL IPC handles need time to go)
+  disk_full          no blind restart: wait for free space, alert
+  other              give up: a bad argument or an import error does not fix itself
+  nan_loss           relaunch once from the last good checkpoint; twice in a row: give up
+  everything else    relaunch after wait_s
+Guards: more than max_crashes_per_hour → exponential backoff and a crash_loop alert;
+max_relaunches_without_progress relaunches in a row with no new good checkpoint → give up (exit 3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.recipe import SupervisorSection
+from orchestrator.types import Action, Crash, CrashClass, Decision
+
+HOUR = 3600.0
+# Failures that say nothing about the training's health: they do not count toward the crash loop.
+_FREE_RETRIES = frozenset({CrashClass.PORT_IN_USE})
+_NCCL = frozenset({CrashClass.NCCL_ERROR, CrashClass.NCCL_TIMEOUT_HANG})
+
+
+@dataclass(frozen=True)
+class History:
+    crash_times: tuple[tuple[float, CrashClass], ...] = ()   # earlier crashes (time, class)
+    previous_cls: CrashClass | None = None                   # class of the attempt before this one
+    relaunches_without_progress: int = 0                     # in a row, before this crash
+
+
+def crashes_last_hour(history: History, crash: Crash, now: float) -> int:
+    earlier = sum(1 for t, c in history.crash_times if now - t < HOUR and c not in _FREE_RETRIES)
+    return earlier + (crash.cls not in _FREE_RETRIES)
+
+
+def decide(crash: Crash, history: History, cfg: SupervisorSection, now: float, checkpoint_progress: bool) -> Decision:
+    """`checkpoint_progress`: a newer good checkpoint exists than when this attempt was launched."""
+    cls = crash.cls
+    if cls is CrashClass.OTHER:
+        return Decision(Action.GIVE_UP, "class `other`: retrying cannot help (see the evidence)", alert="gave_up")
+    if cls is CrashClass.NAN_LOSS and history.previous_cls is CrashClass.NAN_LOSS:
+        return Decision(Action.GIVE_UP, "nan_loss twice in a row from the same checkpoint", alert="gave_up")
+    stalled = 0 if checkpoint_progress else history.relaunches_without_progress + (cls not in _FREE_RETRIES)
+    if stalled >= cfg.max_relaunches_without_progress:
+        return Decision(Action.GIVE_UP, f"{stalled} relaunches in a row without checkpoint progress",
+                        alert="gave_up")
+    if cls is CrashClass.DISK_FULL:
+        return Decision(Action.WAIT_FOR_SPACE, "disk full: waiting for free space before relaunching",
+                        wait_s=cfg.wait_s, alert="disk_full")
+    if cls in _FREE_RETRIES:
+        return Decision(Action.RELAUNCH, "rendezvous port taken: relaunch on a fresh port", new_port=True)
+    wait = cfg.wait_s + (cfg.nccl_settle_s if cls in _NCCL else 0.0)
+    count = crashes_last_hour(history, crash, now)
+    if count > cfg.max_crashes_per_hour:
+        backoff = min(cfg.backoff_max_s, max(cfg.wait_s, 1.0) * 2 ** (count - cfg.max_crashes_per_hour))
+        return Decision(Action.RELAUNCH, f"{count} crashes in the last hour (limit {cfg.max_crashes_per_hour}): "
+                        f"backing off {backoff:.0f} s", wait_s=wait, backoff_s=backoff, alert="crash_loop")
+    return Decision(Action.RELAUNCH, f"{cls.value}: relaunch from the newest good checkpoint", wait_s=wait)
+
+
+def next_history(history: History, crash: Crash, now: float, checkpoint_progress: bool) -> History:
+    stalled = 0 if checkpoint_progress else history.relaunches_without_progress + (crash.cls not in _FREE_RETRIES)
+    recent = tuple((t, c) for t, c in history.crash_times if now - t < HOUR) + ((now, crash.cls),)
+    return History(recent, crash.cls, stalled)
+
+
+def hang_verdict(now: float, launched_at: float, last_step_at: float | None,
+                 hang_timeout_s: float, startup_timeout_s: float) -> str | None:
+    """No new step for hang_timeout_s once training started, or none for startup_timeout_s."""
+    if last_step_at is None:
+        if now - launched_at > startup_timeout_s:
+            return f"no training step within startup_timeout_s = {startup_timeout_s:.0f} s of launch"
+        return None
+    if now - last_step_at > hang_timeout_s:
+        return f"no new training step for {now - last_step_at:.0f} s (hang_timeout_s = {hang_timeout_s:.0f})"
+    return None
+
+
+def resume_verdict(resume_step: int, first_step: int, first_loss: float | None, earlier_loss: float | None,
+                   logging_steps: int, tolerance: float) -> str | None:
+    """After a resume from checkpoint N the first logged step must be in (N, N + logging_steps] and
+    its loss must match the loss logged at that step before the crash (when one was logged)."""
+    if not resume_step < first_step <= resume_step + logging_steps:
+        return f"resumed from step {resume_step} but the first logged step is {first_step}"
+    if first_loss is not None and earlier_loss is not None:
+        scale = max(abs(earlier_loss), 1e-8)
+        if abs(first_loss - earlier_loss) / scale > tolerance:
+            return (f"loss at step {first_step} is {first_loss:.6g} after resume, {earlier_loss:.6g} before "
+                    f"(tolerance {tolerance:.0%})")
+    return None

@@ -1,0 +1,416 @@
+"""Recipe: one TOML file validated into typed, frozen models; `--set` overrides; the recipe hash.
+
+Everything here is pure except `load()`, which reads the TOML file (and the model's config.json,
+to check the expert count against EP before anything runs).
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from orchestrator.render import flags
+
+
+class RecipeError(Exception):
+    """Bad input: one clear message naming the file, the key and what to do. Exit code 2."""
+
+
+class _Section(BaseModel):
+    # strict: a string where a number belongs is an error, not a silent coercion.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RunSection(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    backend: Literal["megatron", "swift"] = "megatron"
+    output_dir: str                      # fast local disk; the trainer's --output_dir
+    persistent_dir: str | None = None    # where verified checkpoints are published
+    entrypoint: list[str] | None = None  # replaces the trainer executable (numactl, srun, tests)
+    on_drift: Literal["fresh", "refuse", "resume"] = "fresh"
+
+
+class ModelSection(_Section):
+    path: str
+    model_type: str | None = None
+    template: str | None = None
+    torch_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    num_experts: int | None = Field(default=None, gt=0)  # when config.json cannot be read here
+
+
+class DataSection(_Section):
+    dataset: list[str] = Field(min_length=1)
+    val_dataset: list[str] = []
+    max_length: int = Field(default=2048, gt=0)
+    packing: bool = False
+    split_dataset_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    dataset_num_proc: int = Field(default=1, gt=0)
+    dataloader_num_workers: int = Field(default=0, ge=0)
+
+
+class ParallelSection(_Section):
+    nproc_per_node: int = Field(default=8, gt=0)
+    tensor: int = Field(default=1, gt=0)
+    pipeline: int = Field(default=1, gt=0)
+    context: int = Field(default=1, gt=0)
+    expert: int = Field(default=1, gt=0)
+    expert_tensor: int = Field(default=1, gt=0)
+    sequence_parallel: bool = False
+    ddp_timeout_s: int = Field(default=1800, gt=0)  # ms-swift's Megatron default (208 days) disables the watchdog
+
+    @property
+    def data_parallel(self) -> int:
+        return self.nproc_per_node // (self.tensor * self.pipeline * self.context)
+
+
+class MemorySection(_Section):
+    recompute_granularity: Literal["full", "selective", "none"] = "selective"
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = Field(default=None, gt=0)
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    precision_aware_optimizer: bool = False
+
+
+class LoraSection(_Section):
+    rank: int = Field(default=8, gt=0)
+    alpha: int = Field(default=32, gt=0)
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default=["all-linear"], min_length=1)
+    target_parameters: list[str] = []    # swift backend only (transformers-5 fused experts)
+
+
+class OptimSection(_Section):
+    lr: float = Field(gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    warmup_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    micro_batch_size: int = Field(default=1, gt=0)
+    global_batch_size: int = Field(default=16, gt=0)
+    epochs: float | None = Field(default=None, gt=0)
+    iterations: int | None = Field(default=None, gt=0)
+    seed: int = 42
+
+
+class CheckpointSection(_Section):
+    save_steps: int = Field(default=100, gt=0)
+    logging_steps: int = Field(default=1, gt=0)
+    keep_optimizer: bool = True          # False renders --no_save_optim true: weights-only resume
+    merge_lora: bool = False             # a full merged copy at every save: large for 400B models
+    save_total_limit: int | None = Field(default=None, ge=2)
+    keep_persistent: int = Field(default=3, gt=0)  # newest K published copies (plus the best-loss one)
+    sync_interval_s: float = Field(default=300, gt=0)
+    resume_loss_tolerance: float = Field(default=0.05, ge=0)  # relative; resume divergence check
+
+
+class EnvSection(_Section):
+    vars: dict[str, str] = {}
+    nccl_preset: Literal["none", "pcie"] = "none"
+
+    @field_validator("vars")
+    @classmethod
+    def _names(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+        if bad:
+            raise ValueError(f"not a valid environment variable name: {bad[0]!r}")
+        return v
+
+
+class SupervisorSection(_Section):
+    wait_s: float = Field(default=90, ge=0)
+    force_wait_s: float = Field(default=120, ge=0)
+    grace_s: float = Field(default=30, ge=0)          # SIGTERM -> SIGKILL
+    nccl_settle_s: float = Field(default=30, ge=0)    # extra wait after nccl_* for IPC cleanup
+    hang_timeout_s: float = Field(default=1800, gt=0)
+    startup_timeout_s: float = Field(default=3600, gt=0)
+    max_crashes_per_hour: int = Field(default=3, gt=0)
+    max_relaunches_without_progress: int = Field(default=3, gt=0)
+    backoff_max_s: float = Field(default=1800, ge=0)
+    port_range: list[int] = Field(default=[29500, 29599], min_length=2, max_length=2)
+    poll_s: float = Field(default=0.5, gt=0)
+    min_free_gib: float = Field(default=50, ge=0)     # disk free before launching and after disk_full
+    spot_notice_file: str | None = None
+    spot_notice_command: list[str] | None = None
+    spot_notice_pattern: str = "terminat|reclaim|interrupt"
+
+    @field_validator("spot_notice_pattern")
+    @classmethod
+    def _pattern(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"{v!r} is not a valid regular expression ({e})") from None
+        return v
+
+    @field_validator("spot_notice_command")
+    @classmethod
+    def _argv(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not all(v)):
+            raise ValueError("must be a non-empty argument list, e.g. [\"curl\", \"-sf\", \"http://...\"]")
+        return v
+
+    @field_validator("port_range")
+    @classmethod
+    def _ports(cls, v: list[int]) -> list[int]:
+        lo, hi = v
+        if not 1024 <= lo <= hi <= 65535:
+            raise ValueError("must be [low, high] with 1024 <= low <= high <= 65535")
+        return v
+
+
+class GpuSection(_Section):
+    check: bool = True
+    clear_threshold_mib: int = Field(default=1024, ge=0)
+    kill_patterns: list[str] = []         # foreign GPU holders we may kill (regex on the command line)
+    capacity_gib: float | None = Field(default=None, gt=0)  # for `plan` without a GPU; NVML wins
+
+    @field_validator("kill_patterns")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        for p in v:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"{p!r} is not a valid regular expression ({e})") from None
+        return v
+
+
+class MetricsSection(_Section):
+    enabled: bool = True
+    listen: str = Field(default="127.0.0.1:9400", pattern=r"^\[?[0-9A-Za-z.:-]*\]?:\d{1,5}$")
+    linger_s: float = Field(default=30, ge=0)  # keep serving after giving up, so a scrape sees gave_up
+
+    @field_validator("listen")
+    @classmethod
+    def _port(cls, v: str) -> str:
+        if not 0 <= int(v.rpartition(":")[2]) <= 65535:  # 0: any free port (tests)
+            raise ValueError("port must be 0-65535")
+        return v
+
+
+ExtraValue = str | int | float | bool | list[str]
+
+
+class Recipe(_Section):
+    run: RunSection
+    model: ModelSection
+    data: DataSection
+    parallel: ParallelSection = ParallelSection()
+    memory: MemorySection = MemorySection()
+    lora: LoraSection = LoraSection()
+    optim: OptimSection
+    checkpoint: CheckpointSection = CheckpointSection()
+    env: EnvSection = EnvSection()
+    supervisor: SupervisorSection = SupervisorSection()
+    gpu: GpuSection = GpuSection()
+    metrics: MetricsSection = MetricsSection()
+    extra_args: dict[str, ExtraValue] = {}
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Recipe:
+        p, m, o = self.parallel, self.memory, self.optim
+        if (o.epochs is None) == (o.iterations is None):
+            raise ValueError("optim: give exactly one of optim.epochs or optim.iterations")
+        if p.nproc_per_node % (p.tensor * p.pipeline * p.context):
+            raise ValueError(f"parallel: nproc_per_node {p.nproc_per_node} is not divisible by "
+                             f"tensor x pipeline x context = {p.tensor * p.pipeline * p.context}")
+        if p.nproc_per_node % (p.expert * p.expert_tensor * p.pipeline):
+            raise ValueError(f"parallel: nproc_per_node {p.nproc_per_node} is not divisible by "
+                             f"expert x expert_tensor x pipeline = {p.expert * p.expert_tensor * p.pipeline}")
+        if p.sequence_parallel and p.tensor == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1 (ms-swift silently turns it off)")
+        if o.global_batch_size % (o.micro_batch_size * p.data_parallel):
+            raise ValueError(f"optim.global_batch_size {o.global_batch_size} is not divisible by "
+                             f"micro_batch_size x data-parallel size = {o.micro_batch_size} x {p.data_parallel}")
+        if o.min_lr > o.lr:
+            raise ValueError(f"optim.min_lr {o.min_lr} is larger than optim.lr {o.lr}")
+        if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
+            raise ValueError("memory.recompute_method/recompute_num_layers need recompute_granularity = \"full\"")
+        if self.run.backend == "swift":
+            if p.tensor * p.pipeline * p.context * p.expert * p.expert_tensor != 1 or p.sequence_parallel:
+                raise ValueError("parallel: tensor/pipeline/context/expert parallelism needs run.backend = \"megatron\"")
+            if m.optimizer_cpu_offload or m.recompute_granularity == "full":
+                raise ValueError("memory: recompute/optimizer offload settings apply to run.backend = \"megatron\"")
+        elif self.lora.target_parameters:
+            raise ValueError("lora.target_parameters is a `swift sft` option; use lora.target_modules with megatron")
+        elif o.epochs is not None and not float(o.epochs).is_integer():
+            raise ValueError(f"optim.epochs: megatron sft takes a whole number of epochs (--num_train_epochs is an "
+                             f"int), got {o.epochs}; use optim.iterations for a partial epoch")
+        for key, v in self.extra_args.items():
+            problem = flags.check_extra_arg(self.run.backend, key)
+            if problem:
+                raise ValueError(f"extra_args.{key}: {problem}")
+            if v == []:
+                raise ValueError(f"extra_args.{key}: an empty list renders a bare --{key}; remove the key instead")
+        return self
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+_PATH_KEYS = (("run", "output_dir"), ("run", "persistent_dir"), ("model", "path"))
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`dotted.key=value`; the value is read as a TOML value, else taken as a plain string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+", key.strip()):
+        raise RecipeError(f"--set {item!r}: expected dotted.key=value, for example --set optim.lr=1e-4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = json.loads(json.dumps(data))  # deep copy of plain TOML data
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"--set {item!r}: {k!r} is not a table")
+        node[keys[-1]] = value
+    return data
+
+
+def _resolve_paths(data: dict, base: Path) -> None:
+    """Relative paths in a recipe are relative to the recipe file (absolute for ms-swift: a missing
+    relative --model is taken as a hub id and downloaded)."""
+    for section, key in _PATH_KEYS:
+        v = data[section].get(key) if isinstance(data.get(section), dict) else None
+        if isinstance(v, str) and v and not Path(v).is_absolute():
+            data[section][key] = str((base / v).resolve())
+    ds = data.get("data") if isinstance(data.get("data"), dict) else {}
+    for key in ("dataset", "val_dataset"):
+        if isinstance(ds.get(key), list):
+            ds[key] = [str((base / d).resolve()) if isinstance(d, str) and _looks_local(d) and not Path(d).is_absolute()
+                       else d for d in ds[key]]
+
+
+def _looks_local(d: str) -> bool:
+    return d.startswith(".") or d.split("#")[0].endswith((".json", ".jsonl", ".csv"))
+
+
+def _describe(err: dict, model: type[BaseModel]) -> str:
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"{loc}: unknown key{_suggest(err['loc'], model)}"
+    if err["type"] == "missing":
+        return f"{loc}: required key is missing"
+    got = err.get("input")
+    got_s = "" if isinstance(got, dict) else f", got {got!r}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}{got_s}" if loc else msg
+
+
+def _suggest(loc: tuple, model: type[BaseModel]) -> str:
+    node: Any = model
+    for part in loc[:-1]:
+        field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
+        if field is None:
+            return ""
+        node = field.annotation
+    if not (isinstance(node, type) and issubclass(node, BaseModel)):
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(node.model_fields), n=1, cutoff=0.6)
+    return f" (did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))!r}?)" if close else ""
+
+
+def validate(data: dict, source: str = "<recipe>") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        more = f" (and {e.error_count() - 1} more problem(s))" if e.error_count() > 1 else ""
+        raise RecipeError(f"{source}: {_describe(first, Recipe)}{more}") from None
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: recipe file not found (see recipes/ for examples)") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read the recipe ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: TOML syntax error: {e}") from None
+    data = apply_overrides(data, list(overrides))
+    _resolve_paths(data, path.absolute().parent)  # not resolve(): recipes/demo-cpu.toml is a symlink
+    recipe = validate(data, str(path))
+    experts = expert_count(recipe)
+    if experts is not None and experts % recipe.parallel.expert:
+        raise RecipeError(f"{path}: parallel.expert: {recipe.parallel.expert} does not divide the model's "
+                          f"{experts} experts; choose a divisor of {experts}")
+    return recipe
+
+
+def read_model_config(recipe: Recipe) -> dict | None:
+    try:
+        cfg = json.loads((Path(recipe.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def expert_count(recipe: Recipe) -> int | None:
+    if recipe.model.num_experts:
+        return recipe.model.num_experts
+    cfg = read_model_config(recipe) or {}
+    for c in (cfg, cfg.get("text_config") or {}):
+        for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+            if isinstance(c.get(key), int):
+                return c[key]
+    return None
+
+
+# --- the recipe hash -----------------------------------------------------------------------------
+
+# The keys that change the training math. Operational keys (save/logging intervals, paths,
+# supervisor, gpu, metrics, env, memory placement) are left out: changing them must not force a
+# fresh run. Documented in README.md ("Recipe hash").
+HASHED_KEYS: dict[str, tuple[str, ...]] = {
+    "run": ("backend",),
+    "model": ("path", "model_type", "template", "torch_dtype"),
+    "data": ("dataset", "val_dataset", "max_length", "packing", "split_dataset_ratio"),
+    "parallel": ("nproc_per_node", "tensor", "pipeline", "context", "expert", "expert_tensor",
+                 "sequence_parallel"),
+    "lora": ("rank", "alpha", "dropout", "target_modules", "target_parameters"),
+    "optim": ("lr", "min_lr", "warmup_fraction", "micro_batch_size", "global_batch_size", "epochs",
+              "iterations", "seed"),
+}
+# extra_args go into the hash unless they are operational.
+_OPERATIONAL_EXTRA = re.compile(r"^(report_to|logging_.*|save_.*|eval_steps|eval_iters|tensorboard_.*|wandb_.*|"
+                                r"swanlab_.*|dataloader_.*|dataset_num_proc|ddp_timeout|disable_tqdm|"
+                                r"create_checkpoint_symlink|async_save|.*_dir)$")
+
+
+def semantic_view(recipe: Recipe) -> dict:
+    view = {sec: {k: getattr(getattr(recipe, sec), k) for k in keys} for sec, keys in HASHED_KEYS.items()}
+    view["extra_args"] = {k: v for k, v in recipe.extra_args.items() if not _OPERATIONAL_EXTRA.match(k)}
+    return view
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    canonical = json.dumps(semantic_view(recipe), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def changed_keys(old: dict, new: dict) -> list[str]:
+    """Dotted keys whose values differ between two semantic views (for drift messages)."""
+    out = []
+    for sec in sorted(set(old) | set(new)):
+        a, b = old.get(sec, {}), new.get(sec, {})
+        out += [f"{sec}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return out

@@ -1,0 +1,58 @@
+"""(recipe, resume point, port) -> Command for either backend. Pure."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from orchestrator.recipe import Recipe
+from orchestrator.types import Command, Resume
+
+# Env every launch gets. Offline: no hub calls at run time. Unbuffered: progress lines reach the
+# log as they are printed.
+BASE_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
+# PCIe nodes without NVLink/InfiniBand: peer-to-peer over PCIe and IB probing hang or corrupt.
+NCCL_PRESETS = {
+    "none": {},
+    "pcie": {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0"},
+}
+
+
+def value(v: object) -> list[str]:
+    """One recipe value as argv words: booleans as ms-swift's true/false, lists space-separated."""
+    if isinstance(v, bool):
+        return ["true" if v else "false"]
+    if isinstance(v, (list, tuple)):
+        return [w for x in v for w in value(x)]
+    return [str(v)]
+
+
+def flags(pairs: Iterable[tuple[str, object]]) -> list[str]:
+    out: list[str] = []
+    for name, v in pairs:
+        if v is None:
+            continue
+        out += [f"--{name}", *value(v)]
+    return out
+
+
+def environment(recipe: Recipe, port: int, extra: dict[str, str]) -> dict[str, str]:
+    env = {**BASE_ENV, **extra, **NCCL_PRESETS[recipe.env.nccl_preset]}
+    if recipe.parallel.nproc_per_node > 1 or recipe.run.backend == "megatron":
+        # Setting NPROC_PER_NODE makes the ms-swift wrapper use torchrun; megatron always needs it.
+        env |= {"NPROC_PER_NODE": str(recipe.parallel.nproc_per_node), "MASTER_PORT": str(port),
+                "MASTER_ADDR": "127.0.0.1"}
+    return env | recipe.env.vars  # the recipe has the last word
+
+
+def render_command(recipe: Recipe, resume: Resume | None, port: int) -> Command:
+    if recipe.run.backend == "megatron":
+        from orchestrator.render import megatron as backend
+    else:
+        from orchestrator.render import swift as backend
+    exe = list(recipe.run.entrypoint or [backend.EXECUTABLE])
+    argv = exe + ["sft"] + backend.arguments(recipe, resume) + flags(recipe.extra_args.items())
+    return Command(argv=tuple(argv), env=environment(recipe, port, backend.ENV))

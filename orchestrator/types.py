@@ -1,0 +1,218 @@
+"""Domain vocabulary shared by every module. Frozen, dependency-free: the root of the import DAG."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+
+
+class ExitCode(IntEnum):
+    """Documented process exit codes. systemd's RestartPreventExitStatus lists BAD_INPUT and GAVE_UP."""
+
+    OK = 0            # training complete, or stopped on request (SIGTERM/SIGINT) after a graceful stop
+    INTERNAL = 1      # a bug in orchestrator itself (a traceback)
+    BAD_INPUT = 2     # recipe, CLI argument or checkpoint is wrong: nothing was launched
+    GAVE_UP = 3       # retrying cannot help (class `other`, repeated nan_loss, no checkpoint progress, drift refused)
+
+
+class State(StrEnum):
+    PREFLIGHT = "preflight"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    CRASHED = "crashed"
+    CLEANING = "cleaning"
+    WAITING = "waiting"
+    VERIFYING = "verifying"      # waiting for the GPUs to be clear
+    RELAUNCHING = "relaunching"
+    BACKOFF = "backoff"          # crash loop guard: too many crashes in the last hour
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    GAVE_UP = "gave_up"
+
+
+TERMINAL_STATES = frozenset({State.COMPLETED, State.STOPPED, State.GAVE_UP})
+
+
+class CrashClass(StrEnum):
+    COLD_START_OOM = "cold_start_oom"
+    FLA_BACKWARD_OOM = "fla_backward_oom"
+    OOM_DURING_TRAINING = "oom_during_training"
+    NCCL_ERROR = "nccl_error"
+    NCCL_TIMEOUT_HANG = "nccl_timeout_hang"
+    PORT_IN_USE = "port_in_use"
+    HOST_OOM_KILLED = "host_oom_killed"
+    DISK_FULL = "disk_full"
+    CUDA_FATAL = "cuda_fatal"
+    NAN_LOSS = "nan_loss"
+    OTHER = "other"
+
+
+class Phase(StrEnum):
+    """Where in the attempt a failure happened; decides e.g. cold_start_oom vs oom_during_training."""
+
+    STARTUP = "startup"      # before the attempt's first completed training step
+    TRAINING = "training"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One logged training step (a stdout dict line or a logging.jsonl record)."""
+
+    step: int
+    max_steps: int | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    memory_gib: float | None = None
+    step_s: float | None = None      # train_speed(s/it)
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a process ended: exactly one of code / signal is set (signal for a signal death)."""
+
+    code: int | None = None
+    signal: int | None = None
+
+    @classmethod
+    def from_returncode(cls, rc: int) -> ExitStatus:
+        # Popen reports a signal death as -N; a shell or torchrun reports it as 128+N.
+        if rc < 0:
+            return cls(signal=-rc)
+        return cls(code=rc)
+
+    @property
+    def killed_by(self) -> int | None:
+        """The signal that ended the process, also when reported as 128+N by a wrapper."""
+        if self.signal is not None:
+            return self.signal
+        if self.code is not None and 128 < self.code < 160:
+            return self.code - 128
+        return None
+
+    def __str__(self) -> str:
+        return f"signal {self.signal}" if self.signal is not None else f"exit {self.code}"
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A classified failure: the class and the log lines that decided it."""
+
+    cls: CrashClass
+    evidence: tuple[str, ...] = ()
+    phase: Phase = Phase.UNKNOWN
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint directory found on disk and what verification said about it."""
+
+    path: str
+    step: int
+    complete: bool                 # completeness markers present (a checkpoint being written is not complete)
+    ok: bool                       # complete and every verification check passed
+    problems: tuple[str, ...] = ()
+    merged_path: str | None = None  # checkpoint-N-merged, when present
+    loss: float | None = None       # the loss logged at this step, when known (for best-loss retention)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One launch of the trainer, as recorded in the journal."""
+
+    n: int
+    started_at: float
+    port: int | None = None
+    pid: int | None = None
+    pid_start_time: float | None = None
+    resumed_from: str | None = None
+    start_step: int | None = None
+    end_step: int | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    cls: CrashClass | None = None
+    evidence: tuple[str, ...] = ()
+    log_path: str | None = None
+    first_step_at: float | None = None   # goodput: startup ends here
+    last_step_at: float | None = None
+    hang_detected_at: float | None = None
+
+
+class Action(StrEnum):
+    RELAUNCH = "relaunch"        # clean up, wait, verify GPUs, relaunch from the newest good checkpoint
+    WAIT_FOR_SPACE = "wait_for_space"  # disk_full: no blind restart; poll free space, then relaunch
+    COMPLETE = "complete"
+    STOP = "stop"                # stop requested by the operator (signal)
+    GIVE_UP = "give_up"          # retrying cannot help
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    wait_s: float = 0.0          # settle time before verifying GPUs (wait_s, plus NCCL settle for nccl_*)
+    new_port: bool = False       # pick a fresh rendezvous port (port_in_use)
+    backoff_s: float = 0.0       # extra delay from the crash-loop guard
+    alert: str | None = None     # a visible alert to raise with this decision (crash_loop, disk_full, ...)
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    """What NVML said. `error` is set (and gpus empty) where no driver could be read."""
+
+    gpus: tuple[GpuInfo, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Check:
+    """One pre-flight check result, as printed by `plan` and stored by `run`."""
+
+    name: str
+    ok: bool
+    detail: str
+    fatal: bool = True           # a failed fatal check stops `run` before launching
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something worth recording in the journal and showing to an operator."""
+
+    kind: str
+    message: str
+    at: float
+    data: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A rendered trainer launch: argv (never a shell string) and the environment it adds."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a launch resumes from. `weights_only` when the checkpoint kept no optimizer state."""
+
+    path: str
+    step: int
+    weights_only: bool = False

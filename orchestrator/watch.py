@@ -1,0 +1,93 @@
+"""Watching one attempt: tail its log and logging.jsonl, keep what was learnt (steps, losses).
+
+This is the "gather" half of a pass; the verdicts (hang, NaN, resume divergence) are pure
+functions in policy.py and progress.py.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator import progress
+from orchestrator.launcher import FileTail, Launched
+from orchestrator.types import Progress, Resume
+
+
+def logged_losses(jsonl: Path) -> dict[int, float]:
+    """step -> loss from a logging.jsonl (appended across attempts: the last record per step wins)."""
+    out: dict[int, float] = {}
+    try:
+        with open(jsonl, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                p = progress.parse_jsonl_line(line)
+                if p is not None and p.loss is not None:
+                    out[p.step] = p.loss
+    except OSError:
+        pass
+    return out
+
+
+def finished_record(jsonl_line: str) -> bool:
+    """ms-swift's closing logging.jsonl record (both backends) names the last checkpoint."""
+    try:
+        rec = json.loads(jsonl_line)
+    except ValueError:
+        return False
+    return isinstance(rec, dict) and "last_model_checkpoint" in rec
+
+
+@dataclass
+class AttemptWatch:
+    n: int
+    launched: Launched
+    port: int
+    resume: Resume | None
+    log: FileTail
+    jsonl: FileTail
+    prior_losses: dict[int, float]             # what earlier attempts logged, for the resume check
+    first_step: int | None = None
+    first_step_at: float | None = None
+    last: Progress | None = None
+    last_step_at: float | None = None
+    first_logged: Progress | None = None       # first logging.jsonl step record of this attempt
+    finished: bool = False                     # the trainer wrote its closing record
+    bad: tuple[str, ...] = ()                  # the NaN/Inf line, once seen
+    resume_checked: bool = False
+
+    @classmethod
+    def start(cls, n: int, launched: Launched, port: int, resume: Resume | None, output_dir: Path) -> AttemptWatch:
+        jsonl = output_dir / "logging.jsonl"
+        return cls(n, launched, port, resume, FileTail(launched.log_path), FileTail(jsonl, from_end=True),
+                   logged_losses(jsonl))
+
+    def gather(self, now: float) -> list[Progress]:
+        """Read what is new; returns the new step records (stdout first, then logging.jsonl)."""
+        fresh: list[Progress] = []
+        for line in self.log.lines():
+            p = progress.parse_line(line)
+            if p is not None:
+                fresh.append(p)
+                if progress.andon(p) and not self.bad:
+                    self.bad = (line.strip()[:500],)
+        for line in self.jsonl.lines():
+            if finished_record(line):
+                self.finished = True
+                continue
+            p = progress.parse_jsonl_line(line)
+            if p is not None:
+                fresh.append(p)
+                self.first_logged = self.first_logged or p
+                if progress.andon(p) and not self.bad:
+                    self.bad = (line.strip()[:500],)
+        for p in fresh:
+            if self.last is None or p.step > self.last.step:
+                self.last, self.last_step_at = p, now
+            if self.first_step is None:
+                self.first_step, self.first_step_at = p.step, now
+        return fresh
+
+    @property
+    def done(self) -> bool:
+        last = self.last
+        return self.finished or (last is not None and last.max_steps is not None and last.step >= last.max_steps)

@@ -1,0 +1,71 @@
+"""Shared fixtures: a valid minimal megatron recipe on disk, with a tiny model dir and a dataset file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
+DROP = object()  # write_recipe(..., optim={"iterations": DROP}) removes the key
+
+# 8 GPUs, EP 8 over a 16-expert model, DP 8, global batch 16.
+MINIMAL = {
+    "run": {"name": "t", "backend": "megatron", "output_dir": "out"},
+    "model": {"path": "model"},
+    "data": {"dataset": ["data.jsonl"]},
+    "parallel": {"nproc_per_node": 8, "expert": 8},
+    "optim": {"lr": 1e-4, "iterations": 10},
+}
+MODEL_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+                "vocab_size": 1000, "num_experts": 16, "moe_intermediate_size": 32,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if v is DROP:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def to_toml(data: dict) -> str:
+    """Just enough TOML for recipes: top-level tables of scalars / lists, one level of sub-tables."""
+    def emit(prefix: str, table: dict) -> list[str]:
+        lines, subs = [f"[{prefix}]"], []
+        for k, v in table.items():
+            if isinstance(v, dict):
+                subs += emit(f"{prefix}.{k}", v)
+            else:
+                lines.append(f"{k} = {json.dumps(v)}")
+        return lines + [""] + subs
+    scalars = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    tables = [line for k, v in data.items() if isinstance(v, dict) for line in emit(k, v)]
+    return "\n".join(scalars + tables)
+
+def make_model(directory: Path, config: dict | None = MODEL_CONFIG, weights: bool = True) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(config))
+    if weights:
+        (directory / "model.safetensors").write_bytes(b"\0" * 8)
+    return directory
+
+
+@pytest.fixture
+def write_recipe(tmp_path):
+    """write_recipe(**sections) -> Path of a recipe.toml in tmp_path (sections deep-merged into MINIMAL)."""
+    make_model(tmp_path / "model")
+    (tmp_path / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+
+    def write(name: str = "recipe.toml", **sections) -> Path:
+        path = tmp_path / name
+        path.write_text(to_toml(merge(MINIMAL, sections)))
+        return path
+    return write

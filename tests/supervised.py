@@ -1,0 +1,120 @@
+"""Helpers for tests that run the supervisor against the fake trainer (tests/fake_trainer.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from orchestrator.journal import Journal, journal_path
+from orchestrator.recipe import load
+from orchestrator.rundir import state_dir
+
+FAKE = str(Path(__file__).with_name("fake_trainer.py"))
+REPO = Path(__file__).resolve().parents[1]
+_PORT = [30000 + (os.getpid() % 500) * 20]
+
+
+def free_port_range(width: int = 10) -> tuple[int, int]:
+    """Distinct rendezvous ranges per test (and per xdist worker), so tests never share ports."""
+    lo = _PORT[0]
+    _PORT[0] += width
+    return lo, lo + width - 1
+
+
+def write_recipe(tmp: Path, *, backend: str = "megatron", iterations: int = 40, save_steps: int = 10,
+                 faults: str = "", state: bool = True, extra_env: dict | None = None, supervisor: dict | None = None,
+                 persistent: bool = True, name: str = "r.toml", lr: float = 1e-4, extra: str = "") -> Path:
+    """A megatron (or swift) recipe whose entrypoint is the fake trainer, with fast waits."""
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"num_experts": 8, "hidden_size": 64, "num_hidden_layers": 2,
+                                                    "vocab_size": 128}))
+    (model / "model.safetensors").write_bytes(b"\0" * 16)
+    (tmp / "data.jsonl").write_text('{"messages": []}\n')
+    lo, hi = free_port_range()
+    env = {"FAKE_STEP_S": "0.01", "FAKE_STARTUP_S": "0.02", "FAKE_FAULTS": faults, **(extra_env or {})}
+    if state:
+        env["FAKE_STATE"] = str(tmp / "fake-state.json")
+    sup = {"wait_s": 0.05, "force_wait_s": 0.05, "grace_s": 2, "nccl_settle_s": 0.05, "hang_timeout_s": 2,
+           "startup_timeout_s": 20, "min_free_gib": 0.01, "poll_s": 0.05, "port_range": [lo, hi],
+           **(supervisor or {})}
+    parallel = "nproc_per_node = 8\nexpert = 8" if backend == "megatron" else "nproc_per_node = 1"
+    iters = "iterations" if backend == "megatron" else "iterations"
+    text = textwrap.dedent(f"""\
+        [run]
+        name = "t"
+        backend = "{backend}"
+        output_dir = "out"
+        {'persistent_dir = "persist"' if persistent else ''}
+        entrypoint = {json.dumps([sys.executable, FAKE])}
+        [model]
+        path = "model"
+        [data]
+        dataset = ["data.jsonl"]
+        [parallel]
+        {parallel}
+        [optim]
+        lr = {lr}
+        {iters} = {iterations}
+        global_batch_size = 8
+        [checkpoint]
+        save_steps = {save_steps}
+        sync_interval_s = 30
+        [gpu]
+        check = false
+        [metrics]
+        listen = "127.0.0.1:0"
+        linger_s = 0
+        [env.vars]
+        """)
+    text += "".join(f"{k} = {json.dumps(v)}\n" for k, v in env.items())
+    text += "[supervisor]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in sup.items())
+    text += extra
+    path = tmp / name
+    path.write_text(text)
+    return path
+
+
+def supervise(recipe_path: Path, *overrides: str):
+    """Run the supervisor in this process; returns (exit code, supervisor)."""
+    from orchestrator.supervisor import Supervisor
+
+    sup = Supervisor(load(recipe_path, list(overrides)), install_signals=False)
+    return sup.run(), sup
+
+
+def cli(*args: str, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=popen.pop("cwd", None), **popen)
+
+
+def journal(output_dir: Path) -> Journal:
+    return Journal(journal_path(state_dir(output_dir)), readonly=True)
+
+
+def attempts(output_dir: Path):
+    j = journal(output_dir)
+    try:
+        return j.attempts()
+    finally:
+        j.close()
+
+
+def events(output_dir: Path, kind: str | None = None) -> list[dict]:
+    j = journal(output_dir)
+    try:
+        return [e for e in j.events(10_000) if kind is None or e["kind"] == kind]
+    finally:
+        j.close()
+
+
+def logged_steps(output_dir: Path) -> list[int]:
+    steps = []
+    for line in (output_dir / "logging.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "iteration" in rec or "global_step/max_steps" in rec:
+            steps.append(int((rec.get("iteration") or rec["global_step/max_steps"]).split("/")[0]))
+    return steps

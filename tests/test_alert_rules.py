@@ -1,0 +1,293 @@
+"""monitoring/: alert rules (promtool + a real Prometheus), dashboard, and runbook coverage."""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.metrics import Metrics
+from orchestrator.types import CrashClass, GpuInfo, GpuSnapshot, State
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+MONITORING = ROOT / "monitoring"
+RUNBOOKS = ROOT / "runbooks"
+ALERTS = MONITORING / "alerts.yml"
+RUNBOOK_BASE = "https://orchestrator.invalid/runbooks/"
+# Series Prometheus itself creates for every target; everything else must come from Metrics.
+PROMETHEUS_BUILTINS = {"up"}
+EXPECTED_ALERTS = {
+    "OrchestratorCrashLoop", "OrchestratorCheckpointStale", "OrchestratorNoTrainingProgress",
+    "OrchestratorInvalidCheckpoint", "OrchestratorSyncLagging", "OrchestratorGpusNotClear",
+    "OrchestratorNanOrDivergence", "OrchestratorSupervisorDown", "OrchestratorGaveUp",
+    "OrchestratorDiskFull",
+}
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not installed (Debian/Ubuntu: apt-get install prometheus)")
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+
+
+def exposed_names() -> set[str]:
+    """Sample names a Metrics instance exposes (labelled gauges materialised first)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = Metrics()
+    m.set_info("run", "hash", "megatron", "model")
+    m.gpu_memory(GpuSnapshot(gpus=(GpuInfo(0, "gpu", 1, 0),)))
+    fams = text_string_to_metric_families(m.exposition().decode())
+    return {s.name for f in fams for s in f.samples}
+
+
+def referenced_names(expr: str) -> set[str]:
+    """Metric names in a PromQL expression: orchestrator_* tokens and any name before { or [."""
+    names = set(re.findall(r"\b(orchestrator_[a-z0-9_]+)\b", expr))
+    names |= {n for n in re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*[{\[]", expr)}
+    return names
+
+
+# ---------------------------------------------------------------- promtool
+
+
+@needs_promtool
+def test_promtool_check_rules():
+    r = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_promtool
+def test_promtool_unit_tests():
+    r = subprocess.run([PROMTOOL, "test", "rules", str(MONITORING / "alerts_test.yml")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- rule structure
+
+
+def test_all_expected_alerts_are_defined():
+    assert {r["alert"] for r in alert_rules()} == EXPECTED_ALERTS
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=lambda r: r["alert"])
+def test_alert_has_severity_annotations_and_an_existing_runbook(rule):
+    assert rule["labels"]["severity"] in {"critical", "warning"}
+    ann = rule["annotations"]
+    for key in ("summary", "description", "runbook_url"):
+        assert ann.get(key, "").strip(), f"{rule['alert']} lacks {key}"
+    url = ann["runbook_url"]
+    assert url.startswith(RUNBOOK_BASE) and url.endswith(".md"), url
+    assert (RUNBOOKS / url.removeprefix(RUNBOOK_BASE)).is_file(), url
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=lambda r: r["alert"])
+def test_alert_uses_only_exposed_metrics(rule):
+    unknown = referenced_names(rule["expr"]) - exposed_names() - PROMETHEUS_BUILTINS
+    assert not unknown, f"{rule['alert']} uses metrics Metrics does not expose: {unknown}"
+
+
+def test_every_alert_has_a_firing_and_a_quiet_unit_test():
+    doc = yaml.safe_load((MONITORING / "alerts_test.yml").read_text())
+    firing, quiet = set(), set()
+    for t in doc["tests"]:
+        for case in t.get("alert_rule_test", []):
+            (firing if case.get("exp_alerts") else quiet).add(case["alertname"])
+    assert EXPECTED_ALERTS - firing == set(), "alerts without a firing case"
+    assert EXPECTED_ALERTS - quiet == set(), "alerts without a non-firing case"
+
+
+# ---------------------------------------------------------------- dashboard
+
+
+def dashboard_exprs(node) -> Iterator[str]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in ("expr", "query") and isinstance(v, str):
+                yield v
+            else:
+                yield from dashboard_exprs(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from dashboard_exprs(v)
+
+
+def load_dashboard_exprs() -> list[str]:
+    dash = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    return [e for part in ("panels", "templating", "annotations") for e in dashboard_exprs(dash[part])]
+
+
+def test_dashboard_is_valid_and_uses_only_exposed_metrics():
+    dash = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    assert dash["title"] and dash["uid"] and 36 <= dash["schemaVersion"] <= 41
+    exprs = load_dashboard_exprs()
+    assert len(exprs) >= 14
+    names = exposed_names()
+    for expr in exprs:
+        unknown = referenced_names(expr) - names - PROMETHEUS_BUILTINS
+        assert not unknown, f"{expr!r} uses {unknown}"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+
+
+@needs_promtool
+def test_dashboard_queries_parse(tmp_path: Path):
+    # promtool parses PromQL when checking recording rules; Grafana variables become constants
+    # (label_values() is Grafana's own variable query, not PromQL).
+    subst = {"$__rate_interval": "5m", "$instance": ".*"}
+    rules = []
+    promql = [e for e in load_dashboard_exprs() if ("(" in e or "{" in e) and not e.startswith("label_values(")]
+    for i, expr in enumerate(promql):
+        for var, value in subst.items():
+            expr = expr.replace(var, value)
+        rules.append({"record": f"dashboard:expr_{i}", "expr": expr})
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))
+    r = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- runbooks
+
+
+@pytest.mark.parametrize("cls", list(CrashClass), ids=str)
+def test_every_crash_class_has_a_runbook(cls):
+    page = RUNBOOKS / f"{cls.value}.md"
+    assert page.is_file()
+    text = page.read_text()
+    for section in ("## What it looks like", "## What orchestrator already did", "## What to check"):
+        assert section in text, f"{page.name} lacks {section!r}"
+
+
+def test_runbook_index_links_every_page():
+    index = (RUNBOOKS / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([\w.-]+\.md)\)", index))
+    pages = {p.name for p in RUNBOOKS.glob("*.md")} - {"README.md"}
+    assert pages - linked == set(), "pages missing from runbooks/README.md"
+    assert {p for p in linked if not (RUNBOOKS / p).is_file()} == set(), "dead links in the index"
+
+
+# ---------------------------------------------------------------- a real Prometheus
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return json.load(r)
+
+
+def poll(pred: Callable[[], object], deadline_s: float, what: str, every: float = 0.25):
+    """Call pred until it returns something truthy (errors count as not yet)."""
+    end = time.monotonic() + deadline_s
+    last_err: Exception | None = None
+    while time.monotonic() < end:
+        try:
+            got = pred()
+            if got:
+                return got
+        except (OSError, ValueError) as e:  # not listening yet / not ready
+            last_err = e
+        time.sleep(every)
+    pytest.fail(f"timed out after {deadline_s}s waiting for {what} (last error: {last_err})")
+
+
+@contextlib.contextmanager
+def running_prometheus(tmp_path: Path, targets: list[str], rule_files: list[Path]) -> Iterator[str]:
+    """Start prometheus on loopback scraping `targets` every 1 s; yields its base URL; always killed."""
+    port = free_port()
+    config = {  # JSON is YAML
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(p) for p in rule_files],
+        "scrape_configs": [{"job_name": "orchestrator", "static_configs": [{"targets": targets}]}],
+    }
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(json.dumps(config))
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            if proc.poll() is not None:
+                return True  # exited: stop polling, fail below with its log
+            with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as r:
+                return r.status == 200
+
+        poll(ready, 30, "prometheus to become ready")
+        if proc.poll() is not None:
+            pytest.fail(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+def query(base: str, promql: str) -> list[dict]:
+    data = get_json(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+    return data["data"]["result"]
+
+
+def firing(base: str, alertname: str) -> list[dict]:
+    alerts = get_json(f"{base}/api/v1/alerts")["data"]["alerts"]
+    return [a for a in alerts if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
+
+
+@pytest.mark.prometheus
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
+def test_crash_loop_fires_in_a_real_prometheus(tmp_path: Path):
+    # The shipped rule works as is: `for: 0m`, and [1h] needs no rewrite because the counters are
+    # pre-created at 0, so the first scrape gives increase() its baseline.
+    rules = tmp_path / "alerts.yml"
+    shutil.copy(ALERTS, rules)
+    m = Metrics()
+    m.set_state(State.RUNNING)
+    port = m.serve("127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    try:
+        with running_prometheus(tmp_path, [target], [rules]) as base:
+            # Baseline: at least one scrape has seen the crash counters at 0.
+            poll(lambda: query(base, 'orchestrator_crashes_total{class="nccl_error"} == 0'), 30,
+                 "the first scrape of the zero crash counters")
+            assert not firing(base, "OrchestratorCrashLoop")
+            for cls in (CrashClass.NCCL_ERROR, CrashClass.NCCL_ERROR, CrashClass.COLD_START_OOM,
+                        CrashClass.OOM_DURING_TRAINING):
+                m.crash(cls)
+
+            def crash_loop_firing():
+                m.tick(time.time())  # keep the heartbeat fresh like the supervisor loop does
+                return firing(base, "OrchestratorCrashLoop")
+
+            alerts = poll(crash_loop_firing, 60, "OrchestratorCrashLoop to fire")
+            assert alerts[0]["labels"]["instance"] == target
+            assert alerts[0]["labels"]["severity"] == "critical"
+            assert alerts[0]["annotations"]["runbook_url"].endswith("/crash-loop.md")
+    finally:
+        m.close()

@@ -1,0 +1,267 @@
+"""Table-driven tests for orchestrator.classify: real labelled logs, own fixtures, conflicts, prefixes, phase."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.classify import RULES, WINDOW, _COMPILED, _CONDITIONS, classify, strip_prefixes
+from orchestrator.types import CrashClass, ExitStatus, Phase
+
+FIXTURES = Path(__file__).parent / "fixtures" / "crashes"
+
+
+def _shared_dir() -> Path | None:
+    candidates = [Path(__file__).resolve().parents[2] / "shared" / "crash-logs"]
+    if os.environ.get("ORCH_SHARED"):
+        root = Path(os.environ["ORCH_SHARED"])
+        candidates += [root / "crash-logs", root]
+    return next((d for d in candidates if (d / "index.jsonl").is_file()), None)
+
+
+SHARED = _shared_dir()
+SHARED_INDEX = ([json.loads(line) for line in (SHARED / "index.jsonl").read_text().splitlines() if line.strip()]
+                if SHARED else [])
+FIXTURE_FILES = sorted(FIXTURES.glob("*.log"))
+
+
+def _cleaned(text: str) -> str:
+    return "\n".join(strip_prefixes(line) for line in text.splitlines())
+
+
+# ---------------------------------------------------------------- real labelled logs
+@pytest.mark.skipif(SHARED is None, reason="shared crash-logs not available")
+@pytest.mark.parametrize("entry", SHARED_INDEX, ids=[e["file"] for e in SHARED_INDEX])
+def test_shared_crash_logs(entry: dict) -> None:
+    crash = classify((SHARED / entry["file"]).read_text(errors="replace"))
+    assert crash.cls.value == entry["label"], crash.evidence
+    assert crash.evidence and len(crash.evidence) <= 5
+
+
+# ---------------------------------------------------------------- own fixtures
+def test_fixture_coverage() -> None:
+    labels = [f.name.split("__")[0] for f in FIXTURE_FILES]
+    for cls in CrashClass:
+        assert labels.count(cls.value) >= 3, cls
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=[f.name for f in FIXTURE_FILES])
+def test_fixtures(path: Path) -> None:
+    text = path.read_text()
+    crash = classify(text)
+    assert crash.cls.value == path.name.split("__")[0], crash.evidence
+    assert 1 <= len(crash.evidence) <= 5
+    cleaned = _cleaned(text)
+    for line in crash.evidence:                 # evidence is real (cleaned) log text, prefixes gone
+        assert line in cleaned or line in text, line
+        assert not re.match(r"\[rank\d+\]:|\[\d+,\d+\]<std", line)
+
+
+# ---------------------------------------------------------------- conflicts and negatives (one log each)
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 has a total capacity of 79.11 GiB"
+WATCHDOG = ("[rank0]:[E1120 22:13:01.1 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600061 milliseconds before timing out.")
+PROGRESS = "{'loss': '7.43', 'grad_norm': '1.873', 'learning_rate': '9.973e-05', 'global_step/max_steps': '%d/30'}"
+MEGATRON = (" iteration %5d/  10000 | consumed samples: 100 | learning rate: 1.0E-05 | global batch size: 64 | %s"
+            "loss scale: %s | grad norm: 0.7 | number of skipped iterations: %d | number of nan iterations: %d |")
+
+CASES = [
+    # OOM outranks the cascade it causes, wherever the OOM line sits.
+    ("oom_then_watchdog", [PROGRESS % 3, f"[rank3]: {OOM}", WATCHDOG, "[rank6]: RuntimeError: NCCL communicator was aborted on rank 6."],
+     CrashClass.OOM_DURING_TRAINING),
+    ("watchdog_before_oom_line", [PROGRESS % 3, WATCHDOG, f"[rank3]: {OOM}"], CrashClass.OOM_DURING_TRAINING),
+    ("nccl_cuda_failure_oom", ["node:1:2 [0] include/alloc.h:103 NCCL WARN Cuda failure 2 'out of memory'",
+                               "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled cuda error"],
+     CrashClass.COLD_START_OOM),
+    ("nccl_wraps_illegal_access", ["torch.distributed.DistBackendError: NCCL error in: x.cpp:1, unhandled cuda error, NCCL version 2.21.5",
+                                   "ncclUnhandledCudaError: Call to CUDA function failed.", "Last error:",
+                                   "Cuda failure 'an illegal memory access was encountered'"], CrashClass.CUDA_FATAL),
+    ("remote_error_beats_timeout", [WATCHDOG, "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely."],
+     CrashClass.NCCL_ERROR),
+    ("abort_is_cascade_of_timeout", [WATCHDOG, "RuntimeError: NCCL communicator was aborted on rank 3."], CrashClass.NCCL_TIMEOUT_HANG),
+    ("abort_alone", ["[1,19]<stderr>:RuntimeError[1,19]<stderr>:: NCCL communicator was aborted on rank 19."], CrashClass.NCCL_ERROR),
+    ("timeout_beats_sigkill", [WATCHDOG, "  exitcode  : -9 (pid: 1)"], CrashClass.NCCL_TIMEOUT_HANG),
+    ("sigterm_only_is_other", ["Sending process 9990 closing signal SIGTERM", "  exitcode  : -15 (pid: 9990)",
+                               "  traceback : Signal 15 (SIGTERM) received by PID 9990"], CrashClass.OTHER),
+    ("torchrun_escalation_not_host_oom", ["Unable to shutdown process 1 via Signals.SIGTERM, forcefully exiting via Signals.SIGKILL"],
+     CrashClass.OTHER),
+    ("kernel_oom_kill_beats_nccl", ["[rank4]: RuntimeError: DataLoader worker (pid 3) is killed by signal: Killed. ", WATCHDOG],
+     CrashClass.HOST_OOM_KILLED),
+    ("dmesg_oom_killer", ["Out of memory: Killed process 4412 (python) total-vm:912345678kB"], CrashClass.HOST_OOM_KILLED),
+    ("killed_alone", ["Loading checkpoint shards:  40%|████      | 2/5 [00:30<00:45, 15.0s/it]", "Killed"], CrashClass.HOST_OOM_KILLED),
+    ("deepspeed_minus_9", ["[ERROR] [launch.py:325:sigkill_handler] ['python', 'train.py'] exits with return code = -9"],
+     CrashClass.HOST_OOM_KILLED),
+    ("user_error_beats_launcher_kill", ["ValueError: bad config", "[INFO] [launch.py:319:sigkill_handler] Killing subprocess 2231"],
+     CrashClass.OTHER),
+    ("dev_shm_is_not_disk", ["node:1:2 [0] include/shm.cc:28 NCCL WARN Call to posix_fallocate failed : No space left on device",
+                             "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error."],
+     CrashClass.NCCL_ERROR),
+    ("enospc_during_save", ["OSError: [Errno 28] No space left on device: '/ckpt/checkpoint-100/adapter_model.safetensors'", WATCHDOG],
+     CrashClass.DISK_FULL),
+    ("quota", ["OSError: [Errno 122] Disk quota exceeded"], CrashClass.DISK_FULL),
+    ("eio_without_save_is_not_disk", ["OSError: [Errno 5] Input/output error: '/data/shard-0001.parquet'"], CrashClass.OTHER),
+    ("port_in_use_any_casing", ["RuntimeError: Address already in use"], CrashClass.PORT_IN_USE),
+    ("port_eaddrnotavail_is_not_port", ["RuntimeError: The server socket has failed to listen on any local network address. "
+                                        "The server socket has failed to bind to 10.0.0.9:29500 (errno: 99 - Cannot assign requested address)."],
+     CrashClass.OTHER),
+    ("port_in_nccl_info_only", ["n:1:1 [0] NCCL INFO NET/Socket : bind failed : Address already in use", "ImportError: no module"],
+     CrashClass.OTHER),
+    ("oom_advice_is_not_oom", ["[WARNING] to avoid CUDA out of memory errors consider --recompute-activations", "KeyError: 'x'"],
+     CrashClass.OTHER),
+    ("ray_host_oom", ["ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory."], CrashClass.HOST_OOM_KILLED),
+    ("nan_recovered_is_not_nan", ["{'loss': 1.2, 'grad_norm': nan, 'epoch': 0.1}", "{'loss': 1.1, 'grad_norm': 0.5, 'epoch': 0.2}",
+                                  "ModuleNotFoundError: No module named 'foo'"], CrashClass.OTHER),
+    ("nan_not_recovered", ["{'loss': 1.2, 'grad_norm': 0.5, 'epoch': 0.1}", "{'loss': nan, 'grad_norm': nan, 'epoch': 0.2}"],
+     CrashClass.NAN_LOSS),
+    ("grad_norm_inf", [PROGRESS % 1, "{'loss': '2.1', 'grad_norm': 'inf', 'global_step/max_steps': '2/30'}"], CrashClass.NAN_LOSS),
+    ("inf_inside_words", [PROGRESS % 1, "{'loss': '7.43', 'info': 'inference', 'grad_norm': '1.5', 'mode': 'infinite_loader'}",
+                          "AssertionError: user check"], CrashClass.OTHER),
+    ("megatron_nan_counter", [MEGATRON % (10, "lm loss: 2.0E+00 | ", "1.0", 0, 0), MEGATRON % (20, "", "1.0", 3, 3)],
+     CrashClass.NAN_LOSS),
+    ("megatron_missing_loss_bf16", [MEGATRON % (10, "lm loss: 2.0E+00 | ", "1.0", 0, 0), MEGATRON % (11, "", "1.0", 0, 0)],
+     CrashClass.NAN_LOSS),
+    ("megatron_fp16_skip_is_not_nan", [MEGATRON % (10, "", "65536.0", 1, 0), MEGATRON % (20, "lm loss: 2.0E+00 | ", "32768.0", 0, 0)],
+     CrashClass.OTHER),
+    ("deepspeed_overflow_is_not_nan", ["[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 2, reducing to 1",
+                                       "Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."],
+     CrashClass.OTHER),
+    ("argparse", ["train.py: error: unrecognized arguments: --foo 1"], CrashClass.OTHER),
+    ("xid", ["NVRM: Xid (PCI:0000:3b:00): 48, pid=1, DBE (double bit error) ECC error"], CrashClass.CUDA_FATAL),
+    ("xid_lowercase_word_is_not_xid", ["xid=12 trace id", "NameError: name 'x' is not defined"], CrashClass.OTHER),
+    ("empty", [], CrashClass.OTHER),
+]
+
+
+@pytest.mark.parametrize("lines,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_conflicts(lines: list[str], expected: CrashClass) -> None:
+    assert classify("\n".join(lines) + "\n").cls is expected
+
+
+# ---------------------------------------------------------------- phase and exit arguments
+FLA_OOM = [
+    '[rank3]:   File "/x/fla/ops/gated_delta_rule/chunk.py", line 264, in backward',
+    "[rank3]:     dq, dk, dv, db, dg, dh0 = chunk_gated_delta_rule_bwd(",
+    f"[rank3]: {OOM}",
+]
+LOADER_OOM = ['  File "/x/transformers/modeling_utils.py", line 4399, in from_pretrained', "    ) = cls._load_pretrained_model(", OOM]
+BACKWARD_OOM = ['  File "/x/torch/_tensor.py", line 581, in backward', "    torch.autograd.backward(", OOM]
+
+
+@pytest.mark.parametrize("lines,phase,exit,expected", [
+    ([OOM], Phase.STARTUP, None, CrashClass.COLD_START_OOM),
+    ([OOM], Phase.TRAINING, None, CrashClass.OOM_DURING_TRAINING),
+    ([OOM], None, None, CrashClass.COLD_START_OOM),                  # no step evidence at all
+    ([PROGRESS % 1, OOM], None, None, CrashClass.OOM_DURING_TRAINING),
+    (LOADER_OOM, None, None, CrashClass.COLD_START_OOM),
+    (BACKWARD_OOM, None, None, CrashClass.OOM_DURING_TRAINING),
+    (BACKWARD_OOM, Phase.STARTUP, None, CrashClass.COLD_START_OOM),  # the supervisor's phase is authoritative
+    (FLA_OOM, Phase.STARTUP, None, CrashClass.FLA_BACKWARD_OOM),
+    (FLA_OOM, Phase.TRAINING, None, CrashClass.FLA_BACKWARD_OOM),
+    (["RuntimeError: Address already in use"], Phase.TRAINING, None, CrashClass.OTHER),
+    ([], None, ExitStatus(signal=9), CrashClass.HOST_OOM_KILLED),
+    ([], None, ExitStatus(code=137), CrashClass.HOST_OOM_KILLED),
+    ([PROGRESS % 5], Phase.TRAINING, ExitStatus.from_returncode(-9), CrashClass.HOST_OOM_KILLED),
+    ([], None, ExitStatus(code=1), CrashClass.OTHER),
+    ([], None, ExitStatus(signal=15), CrashClass.OTHER),
+    ([OOM], None, ExitStatus(signal=9), CrashClass.COLD_START_OOM),
+    (["ValueError: remaining_argv: ['--x']"], None, ExitStatus(signal=9), CrashClass.HOST_OOM_KILLED),
+])
+def test_phase_and_exit(lines, phase, exit, expected) -> None:
+    crash = classify("\n".join(lines), exit=exit, phase=phase)
+    assert crash.cls is expected
+    if phase is not None:
+        assert crash.phase is phase
+
+
+PHASE_CASES = [
+    ("swift_tf5_dict", [PROGRESS % 1], Phase.TRAINING),
+    ("swift_megatron_dict", ["{'loss': 1.40617847, 'grad_norm': 0.38, 'iteration': '1/400', 'memory(GiB)': 70.12}"], Phase.TRAINING),
+    ("hf_dict", ["{'loss': 1.5888, 'grad_norm': 10.75, 'learning_rate': 1e-05, 'epoch': 0.05}"], Phase.TRAINING),
+    ("megatron_lm", [" iteration     3385/   10000 | consumed samples:       216640 | lm loss: 7.0E-01 |"], Phase.TRAINING),
+    ("megatron_lm_timestamped", [" [2025-01-05 08:01:11] iteration       10/  100000 | consumed samples:  2560 |"], Phase.TRAINING),
+    ("swift_tqdm", ["Train:  20%|██        | 6/30 [00:00<00:00, 53.37it/s]"], Phase.TRAINING),
+    ("hf_tqdm_no_desc", [" 5%|▌         | 53/1000 [01:23<24:48,  1.57s/it]"], Phase.TRAINING),
+    ("tqdm_cr_glued", ["Train:   0%|          | 0/30 [00:00<?, ?it/s]\rTrain:   3%|▎         | 1/30 [00:04<02:01, 4.1s/it]"], Phase.TRAINING),
+    ("litgpt", ["iter 3436 step 53: loss 2.9911, iter time: 400.10ms"], Phase.TRAINING),
+    ("deepspeed_step", ["[2024-01-01 00:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] step=10, skipped=0, lr=[1e-05]"], Phase.TRAINING),
+    ("epoch", ["Epoch 18"], Phase.TRAINING),
+    ("nemo", ["[NeMo I 2025-05-01 10:01:00 nemo_logging:393] Step 3: reduced_train_loss=2.81, global_step=3"], Phase.TRAINING),
+    ("verl", ["(TaskRunner pid=2231) step:12 - actor/entropy:0.51 - actor/pg_loss:0.01"], Phase.TRAINING),
+    ("tqdm_step_zero", ["Train:   0%|          | 0/30 [00:00<?, ?it/s]"], Phase.UNKNOWN),
+    ("loading_shards_bar", ["Loading checkpoint shards:  50%|█████     | 2/4 [00:03<00:03,  1.52s/it]"], Phase.UNKNOWN),
+    ("map_bar", ["Map (num_proc=8):  50%|█████     | 500/1000 [00:01<00:01, 480.21 examples/s]"], Phase.UNKNOWN),
+    ("megatron_iteration_zero", [" iteration        0/   10000 | consumed samples: 0 |"], Phase.UNKNOWN),
+    ("epoch_zero", ["Epoch 0"], Phase.UNKNOWN),
+    ("nothing", ["[INFO:swift] Loading the model using model_dir: /models/x"], Phase.UNKNOWN),
+]
+
+
+@pytest.mark.parametrize("lines,expected", [c[1:] for c in PHASE_CASES], ids=[c[0] for c in PHASE_CASES])
+def test_phase_inference(lines: list[str], expected: Phase) -> None:
+    assert classify("\n".join(lines) + "\nKeyError: 'x'\n").phase is expected
+
+
+# ---------------------------------------------------------------- prefix stripping
+@pytest.mark.parametrize("raw,clean", [
+    ("[rank3]: torch.OutOfMemoryError: CUDA out of memory.", "torch.OutOfMemoryError: CUDA out of memory."),
+    ("[rank0]:[E1206 18:44:12.715298746 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught", "[Rank 0] Watchdog caught"),
+    ("[1,19]<stderr>:RuntimeError[1,19]<stderr>:: NCCL communicator was aborted", "RuntimeError: NCCL communicator was aborted"),
+    ("i.pretrain/0 [default2]:[rank2]: RuntimeError: Rank 2", "RuntimeError: Rank 2"),
+    ("[default0]:Traceback (most recent call last):", "Traceback (most recent call last):"),
+    ("**RuntimeError: CUDA error: an illegal memory access was encountered**", "RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ("**ERROR:torch.x:failed (exitcode: -9) local_rank: 0 of binary:** /home/x", "ERROR:torch.x:failed (exitcode: -9) local_rank: 0 of binary: /home/x"),
+    ("    return func(*args, **kwargs)", "return func(*args, **kwargs)"),
+    ("W1120 22:03:44.004000 9921 torch/distributed/elastic/multiprocessing/api.py:908] Sending process 9990 closing signal SIGTERM",
+     "Sending process 9990 closing signal SIGTERM"),
+    ("[W socket.cpp:426] [c10d] The server socket has failed to bind", "[c10d] The server socket has failed to bind"),
+    ("2024-05-01 10:00:00,123 ERROR something failed", "ERROR something failed"),
+    ("[2023-04-07 13:08:55,468] [INFO] [launch.py:318:sigkill_handler] Killing", "[INFO] [launch.py:318:sigkill_handler] Killing"),
+    ("2024-05-01T10:00:00.123Z RuntimeError: x", "RuntimeError: x"),
+    ("(WorkerDict pid=2231, ip=10.0.0.1) torch.OutOfMemoryError: x", "torch.OutOfMemoryError: x"),
+    ("node-1: [rank8]:   File \"x.py\", line 3, in f", "File \"x.py\", line 3, in f"),
+    ("Train:  33%|███▎      | 2/6 [00:00<00:00, 36.42it/s]{'loss': '7.375'}", "{'loss': '7.375'}"),
+    ("Train:   3%|▎  | 1/30 [00:41<19:54, 41.2s/it]torch.OutOfMemoryError: CUDA out of memory.", "torch.OutOfMemoryError: CUDA out of memory."),
+    ("abc\rTrain:   5%|▌  | 1/20 [00:01<00:19,  1.00s/it]\rKilled", "Killed"),
+    ("plain line", "plain line"),
+])
+def test_strip_prefixes(raw: str, clean: str) -> None:
+    assert strip_prefixes(raw) == clean
+
+
+# ---------------------------------------------------------------- table invariants and scale
+def test_rule_table_is_well_formed() -> None:
+    assert [r.priority for r in RULES] == sorted(r.priority for r in RULES)
+    assert len({r.name for r in RULES}) == len(RULES)
+    for rule in RULES:
+        assert rule.patterns and rule.keywords and all(k == k.lower() for k in rule.keywords)
+        assert set(rule.requires) <= set(_CONDITIONS)
+
+
+def _all_lines() -> list[str]:
+    files = FIXTURE_FILES + ([SHARED / e["file"] for e in SHARED_INDEX] if SHARED else [])
+    return [strip_prefixes(line) for f in files for line in f.read_text(errors="replace").splitlines()]
+
+
+def test_keywords_cover_patterns() -> None:
+    """The keyword prefilter must never hide a line that a rule's patterns match."""
+    lines = _all_lines() + [line for c in CASES for line in c[1]]
+    for rule in RULES:
+        combined = _COMPILED[rule.name][0]
+        for line in lines:
+            if combined.search(line):
+                assert any(k in line.lower() for k in rule.keywords), (rule.name, line)
+
+
+def test_root_cause_before_long_cascade_and_speed() -> None:
+    progress = "".join("{'loss': 1.2, 'grad_norm': 0.3, 'iteration': '%d/90000', 'memory(GiB)': 70.1}\n" % i for i in range(1, 60000))
+    cascade = (WATCHDOG + "\n") * (2 * WINDOW // len(WATCHDOG) + 10)   # > WINDOW of cascade after the root
+    text = progress + f"[rank3]: {OOM}\n" + cascade
+    start = time.perf_counter()
+    crash = classify(text)
+    assert time.perf_counter() - start < 10
+    assert crash.cls is CrashClass.OOM_DURING_TRAINING and crash.phase is Phase.TRAINING
+    assert classify(progress + cascade).cls is CrashClass.NCCL_TIMEOUT_HANG

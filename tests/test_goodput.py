@@ -1,0 +1,107 @@
+"""Goodput accounting: table-driven cases over attempts and recorded spans."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from orchestrator.goodput import LOST_CAUSES, AttemptTimes, Span, account, attempt_spans, summarize
+
+A = AttemptTimes
+
+
+def lost(**kw: float) -> dict[str, float]:
+    out = dict.fromkeys(LOST_CAUSES, 0.0)
+    out.update(kw)
+    return out
+
+
+# (id, attempts, extra spans, now, window start, productive, lost by cause)
+CASES = [
+    ("running, after startup", [A(0, first_step_at=100)], [], 1000, None, 900, lost(startup=100)),
+    ("completed: nothing lost", [A(0, 1000, first_step_at=100, last_checkpoint_at=400, completed=True)],
+     [], 1000, None, 900, lost(startup=100)),
+    ("crash after a checkpoint: work since it is redone",
+     [A(0, 800, first_step_at=100, last_checkpoint_at=600)], [], 800, None, 500,
+     lost(startup=100, lost_progress=200)),
+    ("crash without any checkpoint of its own", [A(0, 800, first_step_at=100)], [], 800, None, 0,
+     lost(startup=100, lost_progress=700)),
+    ("resumed from a checkpoint older than the attempt: all of it lost",
+     [A(0, 800, first_step_at=100, last_checkpoint_at=-50)], [], 800, None, 0,
+     lost(startup=100, lost_progress=700)),
+    ("checkpoint time after the end is clamped", [A(0, 800, first_step_at=100, last_checkpoint_at=900)],
+     [], 800, None, 700, lost(startup=100)),
+    ("crash before the first step: all startup", [A(0, 300)], [], 300, None, 0, lost(startup=300)),
+    ("still starting up", [A(0)], [], 250, None, 0, lost(startup=250)),
+    ("hang: last step -> detection is hang, detection -> exit is cleanup",
+     [A(0, 1030, first_step_at=100, last_step_at=700, last_checkpoint_at=500, hang_detected_at=1000)],
+     [], 1030, None, 400, lost(startup=100, lost_progress=200, hang=300, cleanup=30)),
+    ("hang with no last step known: no hang time, progress lost up to detection",
+     [A(0, 1030, first_step_at=100, hang_detected_at=1000)], [], 1030, None, 0,
+     lost(startup=100, lost_progress=900, cleanup=30)),
+    ("stopped by the operator: work after the checkpoint is redone like after a crash",
+     [A(0, 1000, first_step_at=100, last_checkpoint_at=900)], [], 1000, None, 800,
+     lost(startup=100, lost_progress=100)),
+    ("crash, cleanup, wait, verify, relaunch",
+     [A(0, 1000, first_step_at=100, last_checkpoint_at=600), A(1200, first_step_at=1300)],
+     [Span(1000, 1060, "cleanup"), Span(1060, 1150, "wait"), Span(1150, 1200, "verify")],
+     2000, None, 1200, lost(startup=200, lost_progress=400, cleanup=110, wait=90)),
+    ("crash-loop backoff counts as wait", [A(0, 100), A(400, first_step_at=500)],
+     [Span(100, 400, "backoff")], 600, None, 100, lost(startup=200, wait=300)),
+    ("uncovered gap (supervisor down) is other", [A(0, 500), A(700, first_step_at=800)], [],
+     1000, None, 200, lost(startup=600, other=200)),
+    ("window start cuts earlier time off", [A(0, 1000, first_step_at=100, completed=True)], [],
+     1000, 500, 500, lost()),
+    ("window start before the first launch is other", [A(100, first_step_at=100)], [], 200, 0, 100,
+     lost(other=100)),
+    ("overlapping spans are not counted twice", [],
+     [Span(0, 100, "productive"), Span(50, 150, "wait")], 150, None, 100, lost(wait=50)),
+    ("nothing recorded", [], [], 1000, None, 0, lost()),
+]
+
+
+@pytest.mark.parametrize("attempts,spans,now,start,productive,expected",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_account(attempts, spans, now, start, productive, expected):
+    g = account(attempts, spans, now=now, start=start)
+    assert g.productive_s == pytest.approx(productive)
+    assert g.lost == pytest.approx(expected)
+    assert set(g.lost) == set(LOST_CAUSES)
+    # Every second of the window is charged exactly once.
+    assert g.productive_s + g.badput_s == pytest.approx(g.total_s)
+    assert g.ratio == pytest.approx(productive / g.total_s if g.total_s else 0.0)
+    assert 0.0 <= g.ratio <= 1.0
+
+
+def test_ratio_of_an_empty_window_is_zero():
+    g = summarize([], 10.0, 10.0)
+    assert g.total_s == 0 and g.ratio == 0.0 and not math.isnan(g.ratio)
+
+
+def test_end_bounds_the_window():
+    g = account([A(0, first_step_at=100)], now=5000, end=1000)
+    assert (g.total_s, g.productive_s) == (1000, 900)
+
+
+@pytest.mark.parametrize("kind", ["productive", "startup", "lost_progress", "wait", "backoff", "hang",
+                                  "cleanup", "verify"])
+def test_known_span_kinds(kind):
+    assert Span(0, 1, kind).seconds == 1
+
+
+def test_unknown_span_kind_is_rejected():
+    with pytest.raises(ValueError, match="unknown span kind"):
+        Span(0, 1, "coffee")
+
+
+def test_attempt_spans_are_ordered_and_positive():
+    spans = attempt_spans(A(0, 1030, first_step_at=100, last_step_at=700, last_checkpoint_at=500,
+                            hang_detected_at=1000), now=2000)
+    assert [s.kind for s in spans] == ["startup", "hang", "cleanup", "productive", "lost_progress"]
+    assert all(s.seconds > 0 for s in spans)
+
+
+def test_running_attempt_loses_nothing_yet():
+    # Work since the last checkpoint is at risk but not lost until the attempt ends.
+    g = account([A(0, first_step_at=100, last_checkpoint_at=200)], now=1000)
+    assert g.lost["lost_progress"] == 0 and g.productive_s == 900

@@ -1,0 +1,270 @@
+"""The supervisor loop against the fake trainer: every crash class recovered (or not) as the policy says."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from orchestrator.launcher import RUN_MARKER
+from orchestrator.rundir import run_id
+from orchestrator.types import CrashClass, ExitCode
+from supervised import attempts, cli, events, logged_steps, supervise, write_recipe
+
+RECOVERED = [c for c in CrashClass if c not in (CrashClass.OTHER,)]
+
+
+@pytest.mark.parametrize("cls", RECOVERED, ids=lambda c: c.value)
+def test_each_class_is_classified_and_recovered(tmp_path, cls):
+    step = 0 if cls in (CrashClass.COLD_START_OOM, CrashClass.PORT_IN_USE) else 15
+    recipe = write_recipe(tmp_path, faults=f"{cls.value}@{step}")
+    code, _ = supervise(recipe)
+    assert code == ExitCode.OK
+    runs = attempts(tmp_path / "out")
+    assert [a.cls for a in runs] == [cls, None]
+    assert runs[-1].end_step == 40 and runs[-1].exit_code == 0
+    if step:  # resumed from the newest verified checkpoint before the fault
+        assert runs[1].resumed_from == str(tmp_path / "out" / "checkpoint-10")
+        assert runs[1].start_step == 10
+    assert runs[0].evidence, "the deciding log lines are recorded"
+    if cls is CrashClass.PORT_IN_USE:
+        assert runs[1].port != runs[0].port
+
+
+def test_class_other_gives_up_with_exit_3(tmp_path):
+    recipe = write_recipe(tmp_path, faults="other@0")
+    code, sup = supervise(recipe)
+    assert code == ExitCode.GAVE_UP
+    runs = attempts(tmp_path / "out")
+    assert len(runs) == 1 and runs[0].cls is CrashClass.OTHER
+    assert any("remaining_argv" in line for line in runs[0].evidence)
+
+
+def test_nan_loss_twice_in_a_row_gives_up(tmp_path):
+    # Without FAKE_STATE the fault fires on every launch: the NaN comes back after the resume.
+    code, _ = supervise(write_recipe(tmp_path, faults="nan_loss@15", state=False))
+    assert code == ExitCode.GAVE_UP
+    assert [a.cls for a in attempts(tmp_path / "out")] == [CrashClass.NAN_LOSS, CrashClass.NAN_LOSS]
+
+
+def test_crash_loop_without_checkpoint_progress_gives_up(tmp_path):
+    recipe = write_recipe(tmp_path, faults="cold_start_oom@0", state=False,
+                          supervisor={"max_relaunches_without_progress": 3})
+    code, sup = supervise(recipe)
+    assert code == ExitCode.GAVE_UP
+    assert len(attempts(tmp_path / "out")) == 3
+    assert "without checkpoint progress" in sup.exit_reason
+
+
+def test_crash_loop_backs_off_and_alerts(tmp_path):
+    faults = ",".join(f"fla_backward_oom@{s}" for s in (12, 22, 32, 35))
+    recipe = write_recipe(tmp_path, faults=faults, supervisor={"max_crashes_per_hour": 3, "wait_s": 0.05})
+    code, sup = supervise(recipe)
+    assert code == ExitCode.OK
+    kinds = [e["data"].get("evidence") and e["message"] for e in events(tmp_path / "out", "crash")]
+    assert "backing off" in kinds[3] and "backing off" not in kinds[2]
+    states = [e["message"] for e in events(tmp_path / "out", "state")]
+    assert "cleaning -> backoff" in states
+
+
+def test_hang_is_detected_stacks_dumped_and_restarted(tmp_path):
+    code, _ = supervise(write_recipe(tmp_path, faults="nccl_timeout_hang@25"))
+    assert code == ExitCode.OK
+    runs = attempts(tmp_path / "out")
+    assert runs[0].cls is CrashClass.NCCL_TIMEOUT_HANG and "no new training step" in runs[0].evidence[0]
+    assert runs[0].signal == signal.SIGTERM and runs[0].hang_detected_at is not None
+    if shutil.which("py-spy", path=os.path.dirname(sys.executable)):
+        assert "fake_trainer.py" in (tmp_path / "out" / ".orchestrator" / "stacks-0001.txt").read_text()
+
+
+def test_steps_never_go_back_past_the_last_good_checkpoint(tmp_path):
+    code, _ = supervise(write_recipe(tmp_path, faults="cuda_fatal@17,nccl_error@33"))
+    assert code == ExitCode.OK
+    runs = attempts(tmp_path / "out")
+    assert [r.start_step for r in runs] == [0, 10, 30]
+    steps = logged_steps(tmp_path / "out")
+    assert set(steps) == set(range(1, 41))
+
+
+def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path):
+    recipe = write_recipe(tmp_path, faults="fla_backward_oom@25")
+    out = tmp_path / "out"
+    # Corrupt checkpoint-20 the moment it is written: a stub adapter with a header and no tensors.
+    from orchestrator.supervisor import Supervisor
+    from orchestrator.recipe import load
+
+    sup = Supervisor(load(recipe), install_signals=False)
+    original = sup._scan_checkpoints
+
+    def corrupt_then_scan(now):
+        ck = out / "checkpoint-20" / "adapter_model.safetensors"
+        if ck.exists() and ck.stat().st_size > 100:
+            header = b'{"__metadata__": {"format": "pt"}}'
+            ck.write_bytes(len(header).to_bytes(8, "little") + header)
+        original(now)
+
+    sup._scan_checkpoints = corrupt_then_scan
+    assert sup.run() == ExitCode.OK
+    runs = attempts(out)
+    assert runs[1].resumed_from == str(out / "checkpoint-10")
+    assert any("checkpoint-20" in e["message"] for e in events(out, "checkpoint_invalid"))
+    assert not (tmp_path / "persist" / "checkpoint-20").exists()
+
+
+def test_resume_divergence_stops_the_run(tmp_path):
+    recipe = write_recipe(tmp_path, faults="fla_backward_oom@15")
+    assert supervise(recipe)[0] == ExitCode.OK
+    # A second run of the same recipe in a new directory, seeded with checkpoint-10 and a
+    # logging.jsonl that says step 11 had a very different loss before the "crash".
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    shutil.copytree(tmp_path / "out" / "checkpoint-10", out2 / "checkpoint-10")
+    rec = {"loss": 99.0, "grad_norm": 1.0, "learning_rate": 1e-4, "iteration": "11/40"}
+    (out2 / "logging.jsonl").write_text(json.dumps(rec) + "\n")
+    code, sup = supervise(recipe, f"run.output_dir={json.dumps(str(out2))}", "run.persistent_dir=\"\"")
+    assert code == ExitCode.GAVE_UP
+    assert "resume divergence" in sup.exit_reason
+    assert events(out2, "resume_divergence")
+
+
+def test_metrics_are_served_while_running(tmp_path):
+    recipe = write_recipe(tmp_path, iterations=400, extra_env={"FAKE_STEP_S": "0.02"})
+    from orchestrator.recipe import load
+    from orchestrator.supervisor import Supervisor
+    import threading
+
+    sup = Supervisor(load(recipe), install_signals=False)
+    t = threading.Thread(target=sup.run)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        body = ""
+        while time.monotonic() < deadline:
+            port = sup.metrics_port
+            if port and sup.attempt and sup.attempt.last and sup.attempt.last.step > 5:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                if 'orchestrator_state{state="running"} 1.0' in body:
+                    break
+            time.sleep(0.05)
+        assert 'orchestrator_state{state="running"} 1.0' in body
+        assert "orchestrator_training_step" in body and "orchestrator_info{" in body
+    finally:
+        sup.request_stop("test over")
+        t.join(60)
+    assert sup.state.value == "stopped"
+
+
+def test_second_supervisor_on_the_same_run_is_refused(tmp_path):
+    recipe = write_recipe(tmp_path, iterations=2000)
+    first = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lock = tmp_path / "out" / ".orchestrator" / "lock"
+        deadline = time.monotonic() + 30
+        while not (lock.exists() and lock.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = cli("run", str(recipe), timeout=60)
+        assert second.returncode == ExitCode.BAD_INPUT
+        assert "another supervisor" in second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(60) == 0
+
+
+def _wait_for_step(out: Path, step: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        jl = out / "logging.jsonl"
+        if jl.exists() and logged_steps(out) and max(logged_steps(out)) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+def test_sigterm_stops_training_gracefully_and_exits_0(tmp_path):
+    recipe = write_recipe(tmp_path, iterations=3000)
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    _wait_for_step(tmp_path / "out", 12)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert not _run_processes(tmp_path / "out")
+    assert "stopped" in out
+    assert any("signal SIGTERM" in e["message"] for e in events(tmp_path / "out", "stop"))
+
+
+def _run_processes(out: Path) -> list[psutil.Process]:
+    rid = run_id(out)
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(RUN_MARKER) == rid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_restarted_supervisor_stops_its_predecessors_training_first(tmp_path):
+    recipe = write_recipe(tmp_path, iterations=3000)
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_step(out, 12)
+    trainers = _run_processes(out)
+    assert trainers
+    first.kill()  # the supervisor dies with -9; its trainer keeps running
+    first.wait()
+    assert all(t.is_running() for t in trainers)
+    second = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(attempts(out)) < 2:
+            time.sleep(0.05)
+        assert len(attempts(out)) == 2
+        assert not any(t.is_running() and t.status() != psutil.STATUS_ZOMBIE for t in trainers), \
+            "the predecessor's trainer was stopped before the new launch"
+        assert events(out, "predecessor")
+        assert len({p.pid for p in _run_processes(out) if "fake_trainer" in " ".join(p.cmdline())}) == 1
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(60)
+
+
+@pytest.mark.parametrize("policy, expect_code, expect_dir", [
+    ("fresh", ExitCode.OK, "fresh"), ("refuse", ExitCode.GAVE_UP, None), ("resume", ExitCode.OK, "same")])
+def test_recipe_drift_policies(tmp_path, policy, expect_code, expect_dir):
+    recipe = write_recipe(tmp_path, iterations=20, save_steps=10)
+    assert supervise(recipe)[0] == ExitCode.OK
+    r = cli("run", str(recipe), "--set", "optim.lr=3e-4", "--set", f"run.on_drift=\"{policy}\"")
+    assert r.returncode == expect_code, r.stderr
+    fresh_dirs = [d for d in tmp_path.iterdir() if d.name.startswith("out-")]
+    if expect_dir == "fresh":
+        assert len(fresh_dirs) == 1 and (fresh_dirs[0] / "checkpoint-20").exists()
+        assert (tmp_path / "out" / "checkpoint-20").exists(), "old checkpoints are kept"
+    elif expect_dir is None:
+        assert "optim.lr" in r.stderr and not fresh_dirs
+    else:
+        assert not fresh_dirs and any("optim.lr" in e["message"] for e in events(tmp_path / "out", "drift"))
+
+
+def test_resumes_from_persistent_storage_when_local_disk_is_gone(tmp_path):
+    recipe = write_recipe(tmp_path, iterations=40, faults="nan_loss@25", state=False)
+    assert supervise(recipe)[0] == ExitCode.GAVE_UP  # NaN twice after checkpoint-20
+    # checkpoint-20 was published; the "new instance" has an empty local disk.
+    assert (tmp_path / "persist" / "checkpoint-20").exists()
+    shutil.rmtree(tmp_path / "out")
+    code, _ = supervise(recipe, 'env.vars.FAKE_FAULTS=""')
+    assert code == ExitCode.OK
+    runs = attempts(tmp_path / "out")
+    assert runs[0].resumed_from == str(tmp_path / "out" / "checkpoint-20")
