@@ -10,6 +10,7 @@ import re
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 from orchestrator.types import Crash, CrashClass, ExitStatus, Phase
 
@@ -31,13 +32,10 @@ class Rule:
     priority: int = 0
 
 
-_OOM = (
-    r"CUDA out of memory", r"\btorch\.(?:cuda\.)?OutOfMemoryError\b", r"CUDA error: out of memory",
-    r"cudaErrorMemoryAllocation", r"CUDA_ERROR_OUT_OF_MEMORY",
-    r"Cuda failure (?:2 )?'out of memory'",                     # NCCL WARN / ncclUnhandledCudaError
-    r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDNN_STATUS_ALLOC_FAILED",
-    r"Failed to CUDA (?:calloc|malloc)", r"\b(?:HIP|NPU) out of memory",
-)
+_OOM = (r"CUDA out of memory", r"\btorch\.(?:cuda\.)?OutOfMemoryError\b", r"CUDA error: out of memory",
+        r"cudaErrorMemoryAllocation", r"CUDA_ERROR_OUT_OF_MEMORY", r"Cuda failure (?:2 )?'out of memory'",  # NCCL's
+        r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDNN_STATUS_ALLOC_FAILED", r"Failed to CUDA (?:calloc|malloc)",
+        r"\b(?:HIP|NPU) out of memory")
 # Advice and warnings that merely mention OOM are not an OOM.
 _OOM_EXCLUDE = (r"\b(?:User|Future|Deprecation)Warning\b", r"\b(?:avoid|prevent)\w* (?:an? )?(?:CUDA )?(?:OOM|out of memory)")
 _OOM_KW = ("out of memory", "out_of_memory", "outofmemoryerror", "memoryallocation", "alloc_failed", "failed to cuda")
@@ -58,9 +56,8 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"No space left on device", r"\bENOSPC\b", r"\[Errno 28\]", r"errno:? ?28\b", r"Disk quota exceeded", r"\bEDQUOT\b",
         r"PytorchStreamWriter failed writing file", r"file write failed", r"inline_container\.cc.*unexpected pos \d+",
         r"Not enough (?:free )?disk space", r"\bStorageFull\b"),
-        keywords=("no space left", "enospc", "errno", "quota exceeded", "edquot", "pytorchstreamwriter",
-                  "file write failed", "unexpected pos", "disk space", "storagefull"),
-        exclude=_NOT_ROOT_DISK, priority=20),
+        keywords=("no space left", "enospc", "errno", "quota exceeded", "edquot", "pytorchstreamwriter", "file write failed",
+                  "unexpected pos", "disk space", "storagefull"), exclude=_NOT_ROOT_DISK, priority=20),
     # EIO inside torch.save/serialization is how a saturated disk surfaces on some filesystems.
     Rule("disk_full_io", CrashClass.DISK_FULL, (r"write\(\).*failed with Input/output error", r"Input/output error"),
          keywords=("input/output error",), requires=("save_context",), exclude=_NOT_ROOT_DISK, priority=21),
@@ -81,8 +78,7 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"CU(?:BLAS|DNN)_STATUS_EXECUTION_FAILED"),
         keywords=("illegal", "uncorrectable", "xid", "launch failure", "device-side assert", "assertion", "misaligned",
                   "fallen off the bus", "gpu is lost", "cuda driver error", "unknown error", "launch timed out",
-                  "execution_failed"),
-        priority=40),
+                  "execution_failed"), priority=40),
     # The kernel, cgroup or Ray naming a host-OOM kill is a root cause (its NCCL fallout is not).
     Rule("host_oom_kernel", CrashClass.HOST_OOM_KILLED, (
         r"Out of memory: Kill(?:ed)? process", r"\bOOM[-_ ]?kill(?:ed|er)?\b", r"task \d+: Out Of Memory",
@@ -91,26 +87,31 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         keywords=("out of memory", "oom", "out-of-memory", "killed by signal", "outofmemoryerror"), priority=45),
     # Explicit NaN raises (Megatron/NeMo rerun state machine, anomaly mode, clip_grad_norm_) always count.
     Rule("nan_raised", CrashClass.NAN_LOSS, (
-        r"Unexpected result nan", r"\bfound (?:a )?(?:nan|inf)\b", r"Rerun state machine.*\bnan\b",
+        r"Unexpected result (?:nan|inf)\b", r"\bfound (?:a )?(?:nan|inf)\b", r"Rerun state machine.*\bnan\b",
         r"\bloss (?:is|became|was) (?:nan|inf)\b", r"\bnan (?:loss|gradients?) (?:detected|found|encountered)\b",
         r"returned nan values in its", r"is non-finite, so it cannot be clipped", r"\bdetected (?:a )?nan\b",
         r"\b(?:loss|grad\w*)\b.{0,40}\b(?:is|are|became|returned|contains?|has) (?:a |an )?(?:nan|inf|non-finite)\b",
         r"\bnan (?:loss|gradients?|grad norm)\b"),
         keywords=("nan", "inf", "non-finite"), exclude=_HYPOTHETICAL, priority=50),
     # NaN/Inf in progress lines counts only when no finite progress line follows (fp16 overflow steps
-    # recover; a DeepSpeed OVERFLOW is not a NaN). Megatron-LM omits 'lm loss' when its average is NaN,
-    # so an iteration line at loss scale 1.0 (bf16: no overflow skipping) without a loss is a NaN.
+    # recover; a DeepSpeed OVERFLOW is not a NaN).
     Rule("nan_progress", CrashClass.NAN_LOSS, (
         r"""['"]?\b\w*(?:loss|grad_norm)['"]?\s*[:=]\s*['"]?[-+]?(?:nan|inf(?:inity)?)\b""",
         r"\b(?:lm loss|grad norm)\s*:\s*[-+]?(?:nan|inf)\b", r"\bstep \d+: loss [-+]?(?:nan|inf)\b",
-        r"number of nan iterations:\s*[1-9]", r"^(?!.*\bloss:)(?:.*\s)?iteration\s+\d+\s*/\s*\d+\s*\|.*\|\s*loss scale: 1\.0\b"),
-        keywords=("nan", "inf", "loss scale: 1.0"), requires=("no_recovery",), exclude=_HYPOTHETICAL, priority=51),
+        r"number of nan iterations:\s*[1-9]"),
+        keywords=("nan", "inf"), requires=("no_recovery",), exclude=_HYPOTHETICAL, priority=51),
+    # Megatron-LM omits 'lm loss' when its average is NaN: after lines that had a loss, an iteration
+    # line at loss scale 1.0 (bf16: no overflow skipping) without any '... loss:' field is a NaN.
+    Rule("nan_missing_loss", CrashClass.NAN_LOSS,
+         (r"^(?!.*\bloss:)(?:.*\s)?iteration\s+\d+\s*/\s*\d+\s*\|.*\|\s*loss scale: 1\.0\b",),
+         keywords=("loss scale: 1.0",), requires=("after_finite",), priority=52),
     # Hard NCCL errors name the transport failure, so they outrank the timeouts it causes on other ranks.
     Rule("nccl_error", CrashClass.NCCL_ERROR, (
         r"\bnccl(?:Unhandled)?(?:UnhandledCudaError|SystemError|InternalError|RemoteError|InvalidUsage|InvalidArgument)\b",
         r"NCCL error in:", r"NCCL error: ", r"unhandled (?:system|cuda) error", r"remote process exited or there was a network error",
         r"internal error - please report this issue to the NCCL developers"),
         keywords=("nccl", "unhandled system error", "unhandled cuda error", "remote process exited"), priority=60),
+    # A collective timeout says only that some rank stopped; it outranks just the aborts and kills it causes.
     Rule("nccl_timeout_hang", CrashClass.NCCL_TIMEOUT_HANG, (
         r"Watchdog caught collective operation timeout", r"WorkNCCL\(SeqNum=\d+.*ran for \d+ milliseconds before timing out",
         r"collective operation timeout", r"Heartbeat monitor timed out",
@@ -127,11 +128,11 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"\b(?:exit|return)\w*(?: with)?(?: exit)? (?:code|status)[ :=]*137\b", r"\bsignal: killed\b", r"\bsignal 9\b",
         r"^(?:zsh|bash|sh): killed\b", r"\btask \d+: Killed\b"),
         keywords=("-9", "sigkill", "killed", "137", "signal 9"), exclude=(r"forcefully exiting via",), exit_signal=9, priority=80),
-    # Cascade-only NCCL text (aborted communicator, watchdog teardown, NCCL WARN): NCCL when nothing
+    # Cascade-only NCCL text (aborted communicator, watchdog teardown): NCCL when nothing
     # better is in the log (nccl_error__011), but below the timeout or kill it usually comes from.
     Rule("nccl_abort", CrashClass.NCCL_ERROR, (
         r"NCCL communicator was aborted", r"Process group watchdog thread terminated with exception",
-        r"Some NCCL operations have failed or timed out", r"ProcessGroupNCCL.*\babort", r"NCCL WARN", r"\bDistBackendError\b",
+        r"Some NCCL operations have failed or timed out", r"ProcessGroupNCCL.*\babort", r"\bDistBackendError\b",
         r"retrieving ncclUniqueId"),
         keywords=("nccl", "distbackenderror", "watchdog"), priority=85),
     # A user-level exception or CLI error (evidence for `other`); launcher summaries are not causes.
@@ -141,6 +142,8 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"^(?:[\w.]+\.)?\w+(?:Error|Exception)\b(?::|$)", r"Segmentation fault", r"core dumped"),
         keywords=("error", "exception", "remaining_argv", "segmentation fault", "core dumped"),
         exclude=(r"ChildFailedError", r"SignalException", r"CalledProcessError", r"Warning\b"), priority=90),
+    # NCCL WARN lines alone are often start-up noise (plugins, topology): weaker than a user error.
+    Rule("nccl_warn", CrashClass.NCCL_ERROR, (r"NCCL WARN",), keywords=("nccl warn",), priority=92),
     # The DeepSpeed launcher kills all children after any failure: the weakest host-kill hint.
     Rule("launcher_kill", CrashClass.HOST_OOM_KILLED, (r"sigkill_handler.*Killing subprocess",),
          keywords=("killing subprocess",), priority=95),
@@ -159,8 +162,9 @@ _LEADING = re.compile(r"""^\s*(?:
   | \[[IWEF]\s[\w./-]+:\d+\]\s*                                          # [E socket.cpp:462]
   | \d{1,4}:\s(?=\S)                                                     # srun --label '3: '
   | \*\*(?=\S)                                                           # markdown bold
-)""", re.X)
+)""", re.VERBOSE)
 _BOLD_END = re.compile(r"\*\*(?=\s|$)")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")                                        # colour codes
 _TQDM_HEAD = re.compile(r"^(?:[^|\n]{0,80}?\d{1,3}%\|[^|\n]*\|[^\[\n]*\[[^\]\n]*\])+")
 
 
@@ -170,6 +174,8 @@ def strip_prefixes(line: str) -> str:
 
 
 def _unprefix(line: str) -> str:      # strip_prefixes minus the tqdm part (phase inference reads bars)
+    if "\x1b" in line:
+        line = _ANSI.sub("", line)
     if "\r" in line:
         line = next((p for p in reversed(line.split("\r")) if p.strip()), "")
     for k in range(10):
@@ -186,20 +192,22 @@ def _unprefix(line: str) -> str:      # strip_prefixes minus the tqdm part (phas
 # ---- phase inference --------------------------------------------------------------------------
 _STEP_RES = (   # group 1 = the step number (absent: any match is a step)
     re.compile(r"""['"](?:global_step/max_steps|iteration)['"]\s*:\s*['"]?\s*(\d+)\s*/\s*\d+"""),  # ms-swift
-    re.compile(r"""[{,]\s*['"](?:loss|train_loss)['"]\s*:\s*['"]?[-+]?(?:\d|nan|inf)""", re.I),    # HF dicts
+    re.compile(r"""[{,]\s*['"](?:loss|train_loss)['"]\s*:\s*['"]?[-+]?(?:\d|nan|inf)""", re.IGNORECASE),    # HF dicts
     re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|"),                                          # Megatron-LM
     re.compile(r"\biter\s+\d+\s+step\s+(\d+)\s*:"),                                              # litgpt
     re.compile(r"\bstep=(\d+), skipped=\d+"),                                                    # DeepSpeed
     re.compile(r"(?:^|\s)step:(\d+) - \S+:"),                                                    # verl
     re.compile(r"\b(?:reduced_)?train_loss[=:]\s*[-+]?\d|\bglobal_step[=:]\s*(\d+)"),              # NeMo/Lightning
-    re.compile(r"^Epoch\s*[:#]?\s*(\d+)\b"),                                                     # 'Epoch 18'
+    re.compile(r"^Epoch\s*[:#]?\s*\[?(?![01]\b)(\d+)\b(?!\]\s*\[)"),   # 'Epoch 18' ('Epoch 1/3' may open the 1st)
+    re.compile(r"^Epoch:?\s*\[\d+\]\s*\[\s*(\d+)/\d+\]"),                                          # timm/mmcv
+    re.compile(r"\b(?:step|iter(?:ation)?|epoch)\b\W{0,3}\d+.*\bloss\b\W{0,3}[-+]?\d", re.IGNORECASE),  # generic
 )
 _TQDM = re.compile(r"(?:^|\])([^|\]]{0,60}?)\s*\d{1,3}%\|[^|]*\|\s*(\d+)/\d+\s*\[[^\]]*\]")
-_TQDM_TRAIN = re.compile(r"train|epoch|iter|step", re.I)
+_TQDM_TRAIN = re.compile(r"train|epoch|iter|step", re.IGNORECASE)
 _TQDM_NOT = re.compile(r"eval|valid|test|load|map|token|download|generat|process|convert|sav|export|infer|"
-                       r"predict|sampl|filter|shard|fetch|pack|shuffl|build|compil", re.I)
+                       r"predict|sampl|filter|shard|fetch|pack|shuffl|build|compil", re.IGNORECASE)
 _DEEP_STEP_MARKS = ("global_step/max_steps", "'iteration': '", '"iteration": "', "consumed samples:", "{'loss': ", '{"loss": ')
-_FINITE = re.compile(r"""['"]loss['"]\s*:\s*['"]?[-+]?\d|\blm loss:\s*[-+]?\d|\bstep \d+: loss [-+]?\d""", re.I)
+_FINITE = re.compile(r"""['"]loss['"]\s*:\s*['"]?[-+]?\d|\blm loss:\s*[-+]?\d|\bstep \d+: loss [-+]?\d""", re.IGNORECASE)
 
 
 def _step_line(line: str) -> bool:
@@ -223,10 +231,12 @@ def _infer_phase(text: str, start: int, lines: list[str]) -> tuple[Phase, str | 
 # ---- conditions: (ctx, line index) -> False, True, or the line that satisfied it (more evidence) ----
 _FRAME_FN = re.compile(r'^File ".*", line \d+, in (\S+)')
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*:(?:\s|$)")
-_FLA = re.compile(r"[/\\]fla[/\\]ops[/\\]|\bfla\.ops\b|\bchunk_\w*bwd\w*|\bfused_\w*_bwd\b")
+# flash-linear-attention frames (paths, module names, its backward kernels; not mamba_ssm's _chunk_*_bwd).
+_FLA = re.compile(r"[/\\]fla[/\\]|\bfla\.(?:ops|layers|modules)\b|\bchunk_(?:gated_)?delta_rule_bwd\w*|\bchunk_bwd_d\w+"
+                  r"|\bprepare_wy_repr_bwd\b")
 _BWD = re.compile(r"backward|_bwd\b|_bwd_")
 _SAVE = re.compile(r"torch[/.]serialization|torch\.save|\bsave_checkpoint|\bsave_pretrained|\b_save\b|safetensors|"
-                   r"Saving model checkpoint", re.I)
+                   r"Saving model checkpoint", re.IGNORECASE)
 # Frame names of model loading / optimizer and engine set-up; anchored, because e.g. transformers'
 # load_balancing_loss_func and HF's _prepare_inputs run inside every training step.
 _STARTUP_FN = re.compile(r"^(?:from_pretrained|_*load(?!_balanc)(?:_\w+)?|setup_model_and_optimizer|get_model(?:_tokenizer)?"
@@ -279,6 +289,7 @@ _CONDITIONS: dict[str, Callable[[_Ctx, int], bool | str]] = {
     "fla_context": _fla,
     "startup_context": _startup,
     "no_recovery": lambda ctx, i: i > ctx.last_finite,
+    "after_finite": lambda ctx, i: 0 <= ctx.last_finite < i,
 }
 
 # ---- engine -----------------------------------------------------------------------------------
@@ -320,8 +331,10 @@ def _deep_lines(text: str, start: int) -> list[str]:
     for p in sorted({p for kw in _DEEP_NEEDLES if (p := text.find(kw, lo, start)) != -1}):
         a = max(text.rfind("\n", lo, max(lo, p - 8000)) + 1, end)
         b = text.find("\n", min(p + 4000, start), start)
-        end = start if b == -1 else b
-        out += _clean(text[a:end]) if a < end else []
+        b = start if b == -1 else b
+        if a < b:
+            out += _clean(text[a:b])
+            end = b
     return out
 
 
@@ -347,27 +360,28 @@ def _run(raw: list[str], phase: Phase, exit: ExitStatus | None, step_line: str |
     code = {i + 1 for i, s in enumerate(lines[:-1]) if s.startswith("File ") and _FRAME_FN.match(s)
             and not _EXC_LINE.match(lines[i + 1])}
     low = "\n".join(lines).lower()
-    starts = [0]
-    for s in lines:
-        starts.append(starts[-1] + len(s) + 1)
+    starts = list(accumulate((len(s) + 1 for s in lines), initial=0))
     for rule in RULES:
         combined, singles, exclude = _COMPILED[rule.name]
         hits: list[tuple[int, int, str]] = []      # (pattern index, line index, line): most decisive first
         extra: list[str] = []                      # lines named by conditions
         memo: dict[str, bool] = {}                 # cascades repeat the same lines rank after rank
-        keys: set[str] = set()
+        keys: set[str] = set()                     # the same message from 8 ranks counts once
+        fails: dict[str, int] = {}
         for i in _candidates(rule.keywords, low, starts):
             s = lines[i]
             if i in code:
                 continue
             if (ok := memo.get(s)) is None:
                 ok = memo[s] = bool(combined.search(s)) and not (exclude and exclude.search(s))
-            if not ok or not all(found := [_CONDITIONS[c](ctx, i) for c in rule.requires]):
+            if not ok or (key := _DIGITS.sub("#", s)) in keys or fails.get(key, 0) > 20:
                 continue
+            if not all(found := [_CONDITIONS[c](ctx, i) for c in rule.requires]):
+                fails[key] = fails.get(key, 0) + 1
+                continue
+            keys.add(key)
             extra += [f for f in found if isinstance(f, str) and f not in extra]
-            if (key := _DIGITS.sub("#", s)) not in keys:   # the same message from 8 ranks counts once
-                keys.add(key)
-                hits.append((next(k for k, rx in enumerate(singles) if rx.search(s)), i, s))
+            hits.append((next(k for k, rx in enumerate(singles) if rx.search(s)), i, s))
         if hits:
             hits.sort()
             if step_line and rule.cls is CrashClass.OOM_DURING_TRAINING:

@@ -204,8 +204,9 @@ class FileTail:
         return [frag for line in complete for frag in line.decode("utf-8", "replace").split("\r") if frag]
 
 
-def read_tail(path: Path, max_bytes: int = 2 << 20) -> str:
-    """The last max_bytes of a log, for classification."""
+def read_tail(path: Path, max_bytes: int = 34 << 20) -> str:
+    """The end of a log, for classification: the classifier reads its last 2 MB and looks back up
+    to 32 MB more for a root cause hidden behind a long cascade of NCCL aborts."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)

@@ -102,6 +102,7 @@ class CheckpointSection(_Section):
     logging_steps: int = Field(default=1, gt=0)
     keep_optimizer: bool = True          # False renders --no_save_optim true: weights-only resume
     merge_lora: bool = False             # a full merged copy at every save: large for 400B models
+    save_on_stop: bool = True            # swift: --enable_jit_checkpoint (a save on SIGTERM); megatron has none
     save_total_limit: int | None = Field(default=None, ge=2)
     keep_persistent: int = Field(default=3, gt=0)  # newest K published copies (plus the best-loss one)
     sync_interval_s: float = Field(default=300, gt=0)
@@ -236,6 +237,9 @@ class Recipe(_Section):
                 raise ValueError("parallel: tensor/pipeline/context/expert parallelism needs run.backend = \"megatron\"")
             if m.optimizer_cpu_offload or m.recompute_granularity == "full":
                 raise ValueError("memory: recompute/optimizer offload settings apply to run.backend = \"megatron\"")
+            if self.checkpoint.merge_lora:
+                raise ValueError("checkpoint.merge_lora: `swift sft` has no --merge_lora (merge afterwards with "
+                                 "`swift export --adapters <ckpt> --merge_lora true`)")
         elif self.lora.target_parameters:
             raise ValueError("lora.target_parameters is a `swift sft` option; use lora.target_modules with megatron")
         elif o.epochs is not None and not float(o.epochs).is_integer():
@@ -349,6 +353,12 @@ def load(path: str | Path, overrides: list[str] = ()) -> Recipe:
     data = apply_overrides(data, list(overrides))
     _resolve_paths(data, path.absolute().parent)  # not resolve(): recipes/demo-cpu.toml is a symlink
     recipe = validate(data, str(path))
+    from orchestrator.render.command import duplicated_extra_args  # here: render imports this module
+
+    dup = duplicated_extra_args(recipe)
+    if dup:
+        raise RecipeError(f"{path}: extra_args.{dup[0]}: --{dup[0]} is already rendered from the recipe; "
+                          f"set the recipe key instead (see `orchestrator plan`)")
     experts = expert_count(recipe)
     if experts is not None and experts % recipe.parallel.expert:
         raise RecipeError(f"{path}: parallel.expert: {recipe.parallel.expert} does not divide the model's "

@@ -69,6 +69,7 @@ class Supervisor:
         self.spot = spot_notice(recipe.supervisor)
         self.hang_at: float | None = None
         self.goodput_at = 0.0
+        self.poisoned_from: int | None = None
         self.metrics_port: int | None = None
         self.last_scan = 0.0
         if install_signals:
@@ -137,6 +138,7 @@ class Supervisor:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
         self.attempts = len(self.journal.attempts())
+        self.poisoned_from = self.journal.get_all().get("poisoned_from")
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:
@@ -224,6 +226,10 @@ class Supervisor:
         if self.stop_event.is_set():
             return State.STOPPING
         if a.bad:
+            # A checkpoint from the NaN step on (a save on the SIGTERM that stops this attempt, say)
+            # may hold poisoned weights: never resume from it.
+            self.poisoned_from = min(self.poisoned_from or a.bad_step, a.bad_step)
+            self.journal.put(poisoned_from=self.poisoned_from)
             return self._crashed(Crash(CrashClass.NAN_LOSS, a.bad, Phase.TRAINING))
         divergence = self._resume_divergence()
         if divergence:
@@ -332,6 +338,12 @@ class Supervisor:
 
     def _resume_point(self) -> Resume | None:
         infos = checkpoints.discover(self.out, self.recipe.run.backend, self._lora_expect())
+        if self.poisoned_from is not None:
+            for i in infos:
+                if i.step >= self.poisoned_from:
+                    self.journal.event("resume_skip", f"{Path(i.path).name}: written at or after the NaN at step "
+                                       f"{self.poisoned_from}")
+            infos = [i for i in infos if i.step < self.poisoned_from]
         manifests = {i.path: checkpoints.read_manifest(i.path) for i in infos}
         best, passed = checkpoints.pick_resume(infos, manifests, self.hash, require_manifest=False)
         for why in passed:

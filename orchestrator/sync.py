@@ -85,11 +85,12 @@ def _rsync(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, ..
            bwlimit_kib: int | None, cancel: threading.Event | None) -> int:
     """rsync src/ into dst/; returns bytes transferred. Raises OSError with rsync's message on failure."""
     # Writes go to a temp name and are renamed (no --inplace), so hard links into published copies made
-    # by --link-dest are never modified; --delete-excluded clears leftovers of an earlier attempt;
+    # by --link-dest are never modified; --delete(-excluded) clears temp files and leftovers of a killed
+    # attempt (a local copy is whole-file, so a partial file would not speed up a retry anyway);
     # --modify-window=-1 compares mtimes to the nanosecond (whole seconds would link same-size files
     # saved within one second of each other).
-    argv = [shutil.which("rsync") or "rsync", "-a", "--delete", "--delete-excluded", "--partial-dir=.rsync-partial",
-            "--stats", "--no-human-readable", "--modify-window=-1", *(f"--exclude=/{p}" for p in excludes)]
+    argv = [shutil.which("rsync") or "rsync", "-a", "--delete", "--delete-excluded", "--stats", "--no-human-readable",
+            "--modify-window=-1", *(f"--exclude=/{p}" for p in excludes)]
     if link_dest is not None:
         argv.append(f"--link-dest={link_dest}")
     if bwlimit_kib:
@@ -173,7 +174,6 @@ def _copy(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, ...
         n = _rsync(src, dst, link_dest, excludes, lock_fd, bwlimit_kib, cancel)
     else:
         n = _pycopy(src, dst, link_dest, excludes, cancel)
-    shutil.rmtree(dst / ".rsync-partial", ignore_errors=True)
     _fsync_tree(dst)
     return n
 

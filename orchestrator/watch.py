@@ -53,6 +53,7 @@ class AttemptWatch:
     first_logged: Progress | None = None       # first logging.jsonl step record of this attempt
     finished: bool = False                     # the trainer wrote its closing record
     bad: tuple[str, ...] = ()                  # the NaN/Inf line, once seen
+    bad_step: int | None = None
     resume_checked: bool = False
 
     @classmethod
@@ -68,8 +69,7 @@ class AttemptWatch:
             p = progress.parse_line(line)
             if p is not None:
                 fresh.append(p)
-                if progress.andon(p) and not self.bad:
-                    self.bad = (line.strip()[:500],)
+                self._check(p, line)
         for line in self.jsonl.lines():
             if finished_record(line):
                 self.finished = True
@@ -78,14 +78,17 @@ class AttemptWatch:
             if p is not None:
                 fresh.append(p)
                 self.first_logged = self.first_logged or p
-                if progress.andon(p) and not self.bad:
-                    self.bad = (line.strip()[:500],)
+                self._check(p, line)
         for p in fresh:
             if self.last is None or p.step > self.last.step:
                 self.last, self.last_step_at = p, now
             if self.first_step is None:
                 self.first_step, self.first_step_at = p.step, now
         return fresh
+
+    def _check(self, p: Progress, line: str) -> None:
+        if progress.andon(p) and not self.bad:
+            self.bad, self.bad_step = (line.strip()[:500],), p.step
 
     @property
     def done(self) -> bool:

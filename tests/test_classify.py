@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.classify import RULES, WINDOW, _COMPILED, _CONDITIONS, classify, strip_prefixes
+from orchestrator.classify import (
+    _COMPILED,
+    _CONDITIONS,
+    RULES,
+    WINDOW,
+    classify,
+    strip_prefixes,
+)
 from orchestrator.types import CrashClass, ExitStatus, Phase
 
 FIXTURES = Path(__file__).parent / "fixtures" / "crashes"
@@ -105,8 +112,9 @@ CASES = [
     ("quota", ["OSError: [Errno 122] Disk quota exceeded"], CrashClass.DISK_FULL),
     ("eio_without_save_is_not_disk", ["OSError: [Errno 5] Input/output error: '/data/shard-0001.parquet'"], CrashClass.OTHER),
     ("port_in_use_any_casing", ["RuntimeError: Address already in use"], CrashClass.PORT_IN_USE),
-    ("port_eaddrnotavail_is_not_port", ["RuntimeError: The server socket has failed to listen on any local network address. "
-                                        "The server socket has failed to bind to 10.0.0.9:29500 (errno: 99 - Cannot assign requested address)."],
+    ("port_eaddrnotavail_is_not_port", [("RuntimeError: The server socket has failed to listen on any local network address. "
+                                         "The server socket has failed to bind to 10.0.0.9:29500 (errno: 99 - Cannot assign "
+                                         "requested address).")],
      CrashClass.OTHER),
     ("port_in_nccl_info_only", ["n:1:1 [0] NCCL INFO NET/Socket : bind failed : Address already in use", "ImportError: no module"],
      CrashClass.OTHER),
@@ -124,12 +132,26 @@ CASES = [
      CrashClass.NAN_LOSS),
     ("megatron_missing_loss_bf16", [MEGATRON % (10, "lm loss: 2.0E+00 | ", "1.0", 0, 0), MEGATRON % (11, "", "1.0", 0, 0)],
      CrashClass.NAN_LOSS),
+    ("megatron_no_loss_ever_is_not_nan", [MEGATRON % (10, "", "1.0", 0, 0), "KeyError: 'x'"], CrashClass.OTHER),
     ("megatron_fp16_skip_is_not_nan", [MEGATRON % (10, "", "65536.0", 1, 0), MEGATRON % (20, "lm loss: 2.0E+00 | ", "32768.0", 0, 0)],
      CrashClass.OTHER),
     ("deepspeed_overflow_is_not_nan", ["[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 2, reducing to 1",
                                        "Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."],
      CrashClass.OTHER),
     ("argparse", ["train.py: error: unrecognized arguments: --foo 1"], CrashClass.OTHER),
+    ("accelerate_port_check", [("ConnectionError: Tried to launch distributed communication on port `29500`, but another process "
+                               "is utilizing it. Please specify a different port (such as using the `--main_process_port` flag)")],
+     CrashClass.PORT_IN_USE),
+    ("megatron_unexpected_inf", [("RuntimeError: Rank 3, node n, device 3, iteration 9: Unexpected result inf "
+                                 "(message='found Inf in local grad norm for bucket #0')")], CrashClass.NAN_LOSS),
+    ("nccl_warn_noise_below_user_error", ["n:1:2 [0] NCCL WARN NET/Plugin : Plugin load returned 2 : libnccl-net.so",
+                                          "KeyError: 'input_ids'"], CrashClass.OTHER),
+    ("nccl_warn_alone", ["n:1:2 [0] transport/net_ib.cc:1295 NCCL WARN NET/IB : Got completion from peer with error 12"],
+     CrashClass.NCCL_ERROR),
+    ("docker_exit_137", ["training container exited with code 137"], CrashClass.HOST_OOM_KILLED),
+    ("k8s_oomkilled", ["Last State: Terminated  Reason: OOMKilled  Exit Code: 137"], CrashClass.HOST_OOM_KILLED),
+    ("hf_hub_disk", ["OSError: Not enough free disk space to download the file. The expected file size is: 4920.00 MB."],
+     CrashClass.DISK_FULL),
     ("xid", ["NVRM: Xid (PCI:0000:3b:00): 48, pid=1, DBE (double bit error) ECC error"], CrashClass.CUDA_FATAL),
     ("xid_lowercase_word_is_not_xid", ["xid=12 trace id", "NameError: name 'x' is not defined"], CrashClass.OTHER),
     ("empty", [], CrashClass.OTHER),
@@ -147,6 +169,8 @@ FLA_OOM = [
     "[rank3]:     dq, dk, dv, db, dg, dh0 = chunk_gated_delta_rule_bwd(",
     f"[rank3]: {OOM}",
 ]
+MAMBA_OOM = ['  File "/x/mamba_ssm/ops/triton/ssd_combined.py", line 886, in backward',
+             '  File "/x/mamba_ssm/ops/triton/ssd_chunk_state.py", line 900, in _chunk_state_bwd_db', OOM]
 LOADER_OOM = ['  File "/x/transformers/modeling_utils.py", line 4399, in from_pretrained', "    ) = cls._load_pretrained_model(", OOM]
 BACKWARD_OOM = ['  File "/x/torch/_tensor.py", line 581, in backward', "    torch.autograd.backward(", OOM]
 
@@ -161,6 +185,7 @@ BACKWARD_OOM = ['  File "/x/torch/_tensor.py", line 581, in backward', "    torc
     (BACKWARD_OOM, Phase.STARTUP, None, CrashClass.COLD_START_OOM),  # the supervisor's phase is authoritative
     (FLA_OOM, Phase.STARTUP, None, CrashClass.FLA_BACKWARD_OOM),
     (FLA_OOM, Phase.TRAINING, None, CrashClass.FLA_BACKWARD_OOM),
+    (MAMBA_OOM, Phase.TRAINING, None, CrashClass.OOM_DURING_TRAINING),
     (["RuntimeError: Address already in use"], Phase.TRAINING, None, CrashClass.OTHER),
     ([], None, ExitStatus(signal=9), CrashClass.HOST_OOM_KILLED),
     ([], None, ExitStatus(code=137), CrashClass.HOST_OOM_KILLED),
@@ -189,6 +214,11 @@ PHASE_CASES = [
     ("litgpt", ["iter 3436 step 53: loss 2.9911, iter time: 400.10ms"], Phase.TRAINING),
     ("deepspeed_step", ["[2024-01-01 00:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] step=10, skipped=0, lr=[1e-05]"], Phase.TRAINING),
     ("epoch", ["Epoch 18"], Phase.TRAINING),
+    ("epoch_bracket", ["Epoch [3/100]"], Phase.TRAINING),
+    ("timm_epoch0_step", ["Epoch: [0]  [ 100/1251]  eta: 0:10:01  lr: 0.000100  loss: 6.9012 (6.9101)"], Phase.TRAINING),
+    ("timm_epoch0_step0", ["Epoch: [0]  [   0/1251]  eta: 2:10:01  lr: 0.000001"], Phase.UNKNOWN),
+    ("generic_step_loss", ["2025-01-01 10:00:00 INFO step 53/1000 | loss=1.234 | lr=1e-5"], Phase.TRAINING),
+    ("config_dump_is_not_step", ["max_steps: 1000, warmup_steps: 10, loss_type: ce, save_steps: 100"], Phase.UNKNOWN),
     ("nemo", ["[NeMo I 2025-05-01 10:01:00 nemo_logging:393] Step 3: reduced_train_loss=2.81, global_step=3"], Phase.TRAINING),
     ("verl", ["(TaskRunner pid=2231) step:12 - actor/entropy:0.51 - actor/pg_loss:0.01"], Phase.TRAINING),
     ("tqdm_step_zero", ["Train:   0%|          | 0/30 [00:00<?, ?it/s]"], Phase.UNKNOWN),
@@ -196,6 +226,7 @@ PHASE_CASES = [
     ("map_bar", ["Map (num_proc=8):  50%|█████     | 500/1000 [00:01<00:01, 480.21 examples/s]"], Phase.UNKNOWN),
     ("megatron_iteration_zero", [" iteration        0/   10000 | consumed samples: 0 |"], Phase.UNKNOWN),
     ("epoch_zero", ["Epoch 0"], Phase.UNKNOWN),
+    ("keras_epoch_one_opens_training", ["Epoch 1/3"], Phase.UNKNOWN),
     ("nothing", ["[INFO:swift] Loading the model using model_dir: /models/x"], Phase.UNKNOWN),
 ]
 
@@ -226,6 +257,7 @@ def test_phase_inference(lines: list[str], expected: Phase) -> None:
     ("Train:  33%|███▎      | 2/6 [00:00<00:00, 36.42it/s]{'loss': '7.375'}", "{'loss': '7.375'}"),
     ("Train:   3%|▎  | 1/30 [00:41<19:54, 41.2s/it]torch.OutOfMemoryError: CUDA out of memory.", "torch.OutOfMemoryError: CUDA out of memory."),
     ("abc\rTrain:   5%|▌  | 1/20 [00:01<00:19,  1.00s/it]\rKilled", "Killed"),
+    ("\x1b[31m[rank1]: torch.OutOfMemoryError: x\x1b[0m", "torch.OutOfMemoryError: x"),
     ("plain line", "plain line"),
 ])
 def test_strip_prefixes(raw: str, clean: str) -> None:
@@ -257,7 +289,7 @@ def test_keywords_cover_patterns() -> None:
 
 
 def test_root_cause_before_long_cascade_and_speed() -> None:
-    progress = "".join("{'loss': 1.2, 'grad_norm': 0.3, 'iteration': '%d/90000', 'memory(GiB)': 70.1}\n" % i for i in range(1, 60000))
+    progress = "".join(f"{{'loss': 1.2, 'grad_norm': 0.3, 'iteration': '{i}/90000', 'memory(GiB)': 70.1}}\n" for i in range(1, 60000))
     cascade = (WATCHDOG + "\n") * (2 * WINDOW // len(WATCHDOG) + 10)   # > WINDOW of cascade after the root
     text = progress + f"[rank3]: {OOM}\n" + cascade
     start = time.perf_counter()

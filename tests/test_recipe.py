@@ -69,19 +69,22 @@ BAD = [
     ("empty-dataset", {"data": {"dataset": []}}, ["data.dataset"]),
     ("empty-target-modules", {"lora": {"target_modules": []}}, ["lora.target_modules"]),
     ("save-total-limit-1", {"checkpoint": {"save_total_limit": 1}}, ["checkpoint.save_total_limit"]),
-    ("missing-model-path", {"model": {"path": DROP, "model_type": "qwen3_moe"}}, ["model.path", "required key is missing"]),
+    ("missing-model-path", {"model": {"path": DROP, "model_type": "qwen3_moe"}},
+     ["model.path", "required key is missing"]),
     ("missing-lr", {"optim": {"lr": DROP}}, ["optim.lr", "required key is missing"]),
     ("missing-run", {"run": DROP}, ["run", "required key is missing"]),
     ("missing-data", {"data": DROP}, ["data", "required key is missing"]),
-    ("section-not-table", {"model": DROP, "extra": {}}, ["model"]),
     ("epochs-and-iterations", {"optim": {"epochs": 1.0}}, ["optim.epochs", "optim.iterations"]),
     ("neither-epochs-nor-iterations", {"optim": {"iterations": DROP}}, ["optim.epochs", "optim.iterations"]),
     ("fractional-epochs-megatron", {"optim": {"iterations": DROP, "epochs": 1.5}}, ["optim.epochs", "whole number"]),
-    ("tp-not-dividing", {"parallel": {"tensor": 3, "expert": 1}}, ["nproc_per_node 8", "tensor x pipeline x context = 3"]),
+    ("tp-not-dividing", {"parallel": {"tensor": 3, "expert": 1}},
+     ["nproc_per_node 8", "tensor x pipeline x context = 3"]),
     ("tp-pp-cp-not-dividing", {"parallel": {"tensor": 2, "pipeline": 2, "context": 4, "expert": 1}},
      ["tensor x pipeline x context = 16"]),
-    ("ep-not-dividing-nproc", {"parallel": {"expert": 3}}, ["nproc_per_node 8", "expert x expert_tensor x pipeline = 3"]),
-    ("ep-etp-not-dividing", {"parallel": {"expert": 8, "expert_tensor": 2}}, ["expert x expert_tensor x pipeline = 16"]),
+    ("ep-not-dividing-nproc", {"parallel": {"expert": 3}},
+     ["nproc_per_node 8", "expert x expert_tensor x pipeline = 3"]),
+    ("ep-etp-not-dividing", {"parallel": {"expert": 8, "expert_tensor": 2}},
+     ["expert x expert_tensor x pipeline = 16"]),
     ("sp-without-tp", {"parallel": {"sequence_parallel": True}}, ["parallel.sequence_parallel", "parallel.tensor"]),
     ("gbs-not-divisible", {"optim": {"global_batch_size": 12}}, ["optim.global_batch_size 12", "1 x 8"]),
     ("gbs-micro-not-divisible", {"optim": {"global_batch_size": 16, "micro_batch_size": 4}}, ["4 x 8"]),
@@ -109,7 +112,8 @@ BAD = [
     ("extra-train-type", {"extra_args": {"train_type": "lora"}}, ["extra_args.train_type", "tuner_type"]),
     ("extra-managed-ep", {"extra_args": {"expert_model_parallel_size": 8}},
      ["extra_args.expert_model_parallel_size", "set recipe key parallel.expert instead"]),
-    ("extra-managed-dash", {"extra_args": {"expert-model-parallel-size": 8}}, ["set recipe key parallel.expert instead"]),
+    ("extra-managed-dash", {"extra_args": {"expert-model-parallel-size": 8}},
+     ["set recipe key parallel.expert instead"]),
     ("extra-managed-save-steps", {"extra_args": {"save_steps": 5}}, ["set recipe key checkpoint.save_steps instead"]),
     ("extra-on-resume", {"extra_args": {"mcore_adapter": "/x"}}, ["extra_args.mcore_adapter", "on resume"]),
     ("extra-lr-swift", {"run": {"backend": "swift"}, "parallel": {"expert": 1}, "extra_args": {"lr": 1e-4}},
@@ -141,12 +145,7 @@ BAD = [
 @pytest.mark.parametrize("sections,fragments", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_recipe(write_recipe, tmp_path, sections, fragments):
     make_model(tmp_path / "model12", {**MODEL_CONFIG, "num_experts": 12})
-    if "extra" in sections:  # a section that is a string, not a table
-        sections = {k: v for k, v in sections.items() if k != "extra"}
-        path = write_recipe(**sections)
-        path.write_text('model = "x"\n' + path.read_text())
-    else:
-        path = write_recipe(**sections)
+    path = write_recipe(**sections)
     with pytest.raises(RecipeError) as e:
         R.load(path)
     msg = str(e.value)
@@ -154,6 +153,15 @@ def test_bad_recipe(write_recipe, tmp_path, sections, fragments):
     for f in fragments:
         assert f in msg, (f, msg)
     assert "Traceback" not in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("section", ["model", "data", "run"])
+def test_section_not_a_table(write_recipe, section):
+    path = write_recipe(**{section: DROP})
+    path.write_text(f'{section} = "x"\n' + path.read_text())
+    with pytest.raises(RecipeError) as e:
+        R.load(path)
+    assert str(e.value).startswith(f"{path}: {section}")
 
 
 def test_ep_divides_experts_ok(write_recipe, tmp_path):
@@ -461,7 +469,7 @@ OPERATIONAL = [
     ['extra_args.report_to="wandb"'], ["extra_args.wandb_exp_name=e"], ["extra_args.save_total_limit=3"],
     ["extra_args.eval_steps=50"], ["extra_args.eval_iters=5"], ["extra_args.tensorboard_dir=/tb"],
     ["extra_args.wandb_project=p"], ["extra_args.async_save=true"], ["extra_args.create_checkpoint_symlink=true"],
-    ["extra_args.ddp_timeout=100"],
+    ["extra_args.tensorboard_queue_size=100"],
 ]
 
 

@@ -48,11 +48,24 @@ def environment(recipe: Recipe, port: int, extra: dict[str, str]) -> dict[str, s
     return env | recipe.env.vars  # the recipe has the last word
 
 
-def render_command(recipe: Recipe, resume: Resume | None, port: int) -> Command:
+def _backend(recipe: Recipe):
     if recipe.run.backend == "megatron":
         from orchestrator.render import megatron as backend
     else:
         from orchestrator.render import swift as backend
+    return backend
+
+
+def duplicated_extra_args(recipe: Recipe) -> list[str]:
+    """extra_args keys that the recipe already renders (fresh or resumed): the last one would win silently."""
+    backend = _backend(recipe)
+    rendered = {w[2:] for resume in (None, Resume("ckpt", 1)) for w in backend.arguments(recipe, resume)
+                if w.startswith("--")}
+    return sorted(k for k in recipe.extra_args if k in rendered)
+
+
+def render_command(recipe: Recipe, resume: Resume | None, port: int) -> Command:
+    backend = _backend(recipe)
     exe = list(recipe.run.entrypoint or [backend.EXECUTABLE])
     argv = exe + ["sft"] + backend.arguments(recipe, resume) + flags(recipe.extra_args.items())
     return Command(argv=tuple(argv), env=environment(recipe, port, backend.ENV))

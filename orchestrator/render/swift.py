@@ -27,6 +27,8 @@ def arguments(r: Recipe, resume: Resume | None) -> list[str]:
         ("save_steps", c.save_steps), ("logging_steps", c.logging_steps),
         ("save_only_model", not c.keep_optimizer), ("save_total_limit", c.save_total_limit),
         ("ddp_timeout", p.ddp_timeout_s),
+        # transformers' JIT checkpoint: SIGTERM (a stop, a spot notice) saves the current step first.
+        ("enable_jit_checkpoint", c.save_on_stop),
     ]
     if o.min_lr > 0:
         pairs += [("lr_scheduler_type", "cosine_with_min_lr"),

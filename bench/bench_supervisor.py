@@ -1,0 +1,426 @@
+"""Benchmark: the supervisor's own costs while it watches a trainer.
+
+    python bench/bench_supervisor.py [--quick] [--lines 1000000] [--repeat 5] [--json]
+
+1. log pass-through   a trainer printing 1M lines (~120 B, a progress dict every 100th) as fast as it
+                      can: its speed with stdout to a file alone vs launched and tailed by the real
+                      Supervisor (default poll_s). Ratio alone/supervised, target >= 0.95.
+2. exit detection     trainer's last time.time() (atexit, right before the process ends) -> the
+                      journal's `state running -> crashed` event. Target <= 0.2 s.
+3. recovery overhead  `state running -> crashed` -> next `launch` event, minus the configured waits
+                      (wait_s = force_wait_s = 0, gpu.check = false). Target <= 1 s.
+4. footprint          `python -m orchestrator run` as a subprocess watching a trainer that logs one step
+                      a second: the supervisor process's max RSS (<= 100 MB) and its CPU over a steady
+                      window (<= 1 % of a core).
+
+2 and 3 come from the same runs: the fake trainer (tests/fake_trainer.py) crashing with
+fla_backward_oom at several steps, resumed from its checkpoints each time.
+`run()` returns rows {name, measured, unit, target, pass}; bench/run_all.py runs every bench_*.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+import psutil  # noqa: E402
+
+from orchestrator import supervisor as supmod  # noqa: E402
+from orchestrator.recipe import load  # noqa: E402
+from orchestrator.types import ExitCode  # noqa: E402
+from supervised import FAKE, events, write_recipe  # noqa: E402
+
+# `bench/run_all.py --quick` and tests/test_bench_smoke.py call run(**QUICK).
+QUICK = {"quick": True}
+
+RATIO_TARGET, EXIT_TARGET_S, RECOVERY_TARGET_S = 0.95, 0.2, 1.0
+RSS_TARGET_MB, CPU_TARGET_PCT = 100.0, 1.0
+
+# A trainer that only prints. It ignores its `sft ...` arguments; at the end it writes ms-swift's
+# closing logging.jsonl record (into its cwd, the run's output_dir) so the supervisor sees a completion,
+# and appends its own elapsed time (first line to flushed last line) to $BENCH_TIMING.
+FIREHOSE = textwrap.dedent('''\
+    import json, os, sys, time
+    n = int(os.environ.get("BENCH_LINES", "1000000"))
+    every = int(os.environ.get("BENCH_PROGRESS_EVERY", "100"))
+    m = n // every
+    pad = "x" * 48
+    t0 = time.perf_counter()
+    for i in range(1, n + 1):
+        if i % every == 0:  # ms-swift prints str(dict) per logged step, flushed
+            k = i // every
+            print(f"{{'loss': {0.5 + 1.0 / k:.4f}, 'grad_norm': 0.4213, 'learning_rate': 9.9e-05, "
+                  f"'iteration': '{k}/{m}', 'elapsed_time': '1m 2s', 'memory(GiB)': 70.12}}", flush=True)
+        else:
+            print(f"[INFO:swift] rank 0 micro-step {i:>9} tokens/s 4521.7 seq_len 2048 {pad}")
+    sys.stdout.flush()
+    elapsed = time.perf_counter() - t0
+    with open("logging.jsonl", "a") as f:
+        f.write(json.dumps({"last_model_checkpoint": None, "best_model_checkpoint": None}) + "\\n")
+    with open(os.environ["BENCH_TIMING"], "a") as f:
+        f.write(f"{elapsed!r}\\n")
+    ''')
+
+# The fake trainer, ending through os._exit right after it stamps time.time(): the stamp is the
+# process's end, not the start of a (numpy-sized) interpreter teardown.
+STAMPED_FAKE = textwrap.dedent(f'''\
+    import os, runpy, sys, time
+    def _exit(code=0):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        code = code if isinstance(code, int) else (0 if code is None else 1)
+        with open(os.environ["BENCH_EXIT_STAMPS"], "a") as f:
+            f.write(f"{{time.time()!r}}\\n")
+        os._exit(code)
+    sys.exit = _exit
+    sys.argv = [{str(FAKE)!r}] + sys.argv[1:]
+    runpy.run_path({str(FAKE)!r}, run_name="__main__")
+    ''')
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _supervise(recipe: Path, *overrides: str):
+    sup = supmod.Supervisor(load(recipe, list(overrides)), install_signals=False)
+    return sup.run(), sup
+
+
+# ------------------------------------------------------------------ 1. log pass-through
+
+def _alone(script: Path, work: Path, lines: int, timing: Path) -> float:
+    log = work / "alone.log"
+    env = {**os.environ, "BENCH_LINES": str(lines), "BENCH_TIMING": str(timing)}
+    with open(log, "ab", buffering=0) as f:  # opened like launcher.launch opens the attempt log
+        subprocess.run([sys.executable, str(script), "sft"], stdout=f, stderr=subprocess.STDOUT,
+                       stdin=subprocess.DEVNULL, env=env, cwd=work, check=True)
+    log.unlink()
+    return float(timing.read_text().split()[-1])
+
+
+def _supervised(script: Path, work: Path, lines: int, timing: Path, poll_s: float) -> tuple[float, float, dict]:
+    run_dir = work / f"sup-{time.monotonic_ns()}"
+    run_dir.mkdir()
+    env = {"BENCH_LINES": str(lines), "BENCH_TIMING": str(timing)}
+    recipe = write_recipe(run_dir, persistent=False, extra_env=env, supervisor={
+        "poll_s": poll_s, "hang_timeout_s": 600, "startup_timeout_s": 600, "wait_s": 0, "force_wait_s": 0})
+    t = time.perf_counter()
+    code, sup = _supervise(recipe, f"run.entrypoint={json.dumps([sys.executable, str(script)])}")
+    wall = time.perf_counter() - t
+    assert code == ExitCode.OK and sup.state.value == "completed", (code, sup.state, sup.exit_reason)
+    a = sup.attempt
+    size = a.launched.log_path.stat().st_size
+    info = {"read_frac": a.log.pos / size if size else 1.0, "last_step": a.last.step if a.last else None}
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return float(timing.read_text().split()[-1]), wall, info
+
+
+def bench_passthrough(lines: int, repeat: int, poll_s: float = 0.5, workdir: str | None = None) -> list[dict]:
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        work = Path(tmp)
+        script = work / "firehose.py"
+        script.write_text(FIREHOSE)
+        timing = work / "timing.txt"
+        alone, supervised, walls, infos = [], [], [], []
+        for _ in range(repeat):  # interleaved, so slow phases of a noisy machine hit both sides
+            alone.append(_alone(script, work, lines, timing))
+            t, wall, info = _supervised(script, work, lines, timing, poll_s)
+            supervised.append(t)
+            walls.append(wall)
+            infos.append(info)
+    a, b = _median(alone), _median(supervised)
+    ratio = a / b
+    read = min(i["read_frac"] for i in infos)
+    return [
+        {"name": f"pass-through: trainer alone, {lines:,} lines to a file (median of {repeat})",
+         "measured": round(a, 3), "unit": "s", "target": "-", "pass": True},
+        {"name": f"pass-through: same trainer under the supervisor, poll_s={poll_s:g} (median)",
+         "measured": round(b, 3), "unit": "s", "target": "-", "pass": True},
+        {"name": "pass-through: trainer speed supervised / alone", "measured": round(ratio, 3), "unit": "x",
+         "target": f">= {RATIO_TARGET:g}", "pass": ratio >= RATIO_TARGET},
+        {"name": "pass-through: supervisor launch -> completed, wall (median)", "measured": round(_median(walls), 3),
+         "unit": "s", "target": "-", "pass": True},
+        {"name": "pass-through: share of the log the supervisor had read at completion (min)",
+         "measured": round(100 * read, 1), "unit": "%", "target": "-", "pass": True},
+    ]
+
+
+# ------------------------------------------------------------------ 2 + 3. exit detection, recovery
+
+def _crash_loop(work: Path, crashes: int, earlier_checkpoints: int = 0, patch: str = "",
+                save_steps: int = 4) -> tuple[list[float], list[float]]:
+    """One supervised run whose trainer crashes `crashes` times (fla_backward_oom, exit 1), each time
+    after a new checkpoint, resumed after `earlier_checkpoints` checkpoints of an earlier attempt.
+    Returns (exit -> left RUNNING delays, left RUNNING -> next launch minus configured waits)."""
+    work.mkdir(parents=True)
+    stamps = work / "exit-stamps.txt"
+    wrapper = work / "stamped_fake.py"
+    wrapper.write_text(STAMPED_FAKE)
+    start = earlier_checkpoints * 10
+    if start:
+        _earlier_attempt(work / "out", start, 10)
+    every = save_steps + 2
+    faults = ",".join(f"fla_backward_oom@{start + every * (i + 1)}" for i in range(crashes))
+    sup_cfg = {"wait_s": 0, "force_wait_s": 0, "nccl_settle_s": 0, "poll_s": 0.5, "hang_timeout_s": 60,
+               "startup_timeout_s": 60, "max_crashes_per_hour": 1000, "max_relaunches_without_progress": 1000}
+    recipe = write_recipe(work, iterations=start + every * crashes + 3, save_steps=save_steps, faults=faults,
+                          supervisor=sup_cfg, extra_env={"BENCH_EXIT_STAMPS": str(stamps), "FAKE_STEP_S": "0.02"})
+    waits: list[float] = []  # the configured wait of each decision (wait_s + settle + backoff): 0 here
+    decide = supmod.policy.decide
+
+    def recording(*a, **k):
+        d = decide(*a, **k)
+        waits.append(d.wait_s + d.backoff_s)
+        return d
+    undo = apply_patch(patch)
+    supmod.policy.decide = recording
+    try:
+        code, sup = _supervise(recipe, f"run.entrypoint={json.dumps([sys.executable, str(wrapper)])}")
+    finally:
+        supmod.policy.decide = decide
+        undo()
+    assert code == ExitCode.OK, (code, sup.exit_reason)
+    exits = [float(x) for x in stamps.read_text().split()]
+    evs = events(work / "out")
+    noticed = [e["at"] for e in evs if e["kind"] == "state" and e["message"] == "running -> crashed"]
+    launches = [e["at"] for e in evs if e["kind"] == "launch"]
+    assert len(noticed) == len(waits) == crashes and len(launches) == crashes + 1, (noticed, launches, waits)
+    detect = [n - x for n, x in zip(noticed, exits)]
+    recover = [launches[i + 1] - noticed[i] - waits[i] for i in range(crashes)]
+    return detect, recover
+
+
+def bench_recovery(crashes: int, runs: int, variants: bool, earlier: int = 100,
+                   workdir: str | None = None) -> list[dict]:
+    cases = [("", 0, "")]
+    if variants:
+        cases += [(f", {earlier} checkpoints on disk", earlier, ""),
+                  (f", {earlier} checkpoints, FIX scan_unseen", earlier, "scan_unseen")]
+    rows = []
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        for c, (label, earlier_n, patch) in enumerate(cases):
+            detect, recover = [], []
+            for i in range(runs):
+                d, r = _crash_loop(Path(tmp) / f"case{c}-run{i}", crashes, earlier_n, patch)
+                detect += d
+                recover += r
+            n = len(detect)
+            for what, xs, target in (("exit detection: trainer exit -> supervisor left RUNNING", detect, EXIT_TARGET_S),
+                                     ("recovery: crash noticed -> next launch, minus waits", recover,
+                                      RECOVERY_TARGET_S)):
+                rows += [{"name": f"{what}{label} (median of {n})", "measured": round(_median(xs), 4), "unit": "s",
+                          "target": f"<= {target:g}", "pass": _median(xs) <= target},
+                         {"name": f"{what}{label} (max)", "measured": round(max(xs), 4), "unit": "s",
+                          "target": f"<= {target:g}", "pass": max(xs) <= target}]
+    return rows
+
+
+# ------------------------------------------------------------------ 4. RSS and idle CPU
+
+# "What if" changes to the supervisor, measured without editing orchestrator/ (see README):
+#   NAME=VALUE     a module constant of orchestrator.supervisor, e.g. CHECKPOINT_SCAN_S=30
+#   scan_unseen    the proposed fix: Supervisor._scan_checkpoints verifies only checkpoint dirs it has
+#                  not recorded yet (today every scan re-verifies every checkpoint on disk)
+
+def _discover_unseen(sup, ck):
+    """checkpoints.discover() restricted to checkpoint dirs `sup` has not recorded yet (same body)."""
+    def discover(output_dir, backend, expect=None):
+        out = Path(output_dir)
+        try:
+            entries = {e.name: e for e in out.iterdir()}
+        except OSError:
+            return []
+        infos, jsonl = [], None
+        for name in sorted((n for n in entries if ck.CKPT_RE.fullmatch(n) and str(entries[n]) not in sup.seen_checkpoints
+                            and entries[n].is_dir()), key=lambda n: int(n.split("-")[1])):
+            v = ck.verify(entries[name], expect, backend=backend)
+            merged = entries.get(f"{name}-merged")
+            loss = (ck.read_manifest(entries[name]) or {}).get("loss")
+            if loss is None:
+                loss = ck._trainer_loss(entries[name], v.step)
+            if loss is None and "logging.jsonl" in entries:
+                jsonl = ck._jsonl_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
+                loss = max(((s, lo) for s, lo in jsonl.items() if s <= v.step), default=(0, None))[1]
+            infos.append(v.to_info(str(merged) if merged and merged.is_dir() else None, loss))
+        return infos
+    return discover
+
+
+def apply_patch(spec: str):
+    """Apply comma-separated changes to orchestrator.supervisor; returns the undo."""
+    from orchestrator import checkpoints
+    undo = []
+    for item in filter(None, spec.split(",")):
+        if item == "scan_unseen":
+            scan = supmod.Supervisor._scan_checkpoints
+
+            def _scan_checkpoints(self, now, scan=scan):
+                proxy = types.SimpleNamespace(**vars(checkpoints))
+                proxy.discover = _discover_unseen(self, checkpoints)
+                supmod.checkpoints = proxy  # the main loop only: the sync thread holds its own reference
+                try:
+                    return scan(self, now)
+                finally:
+                    supmod.checkpoints = checkpoints
+            supmod.Supervisor._scan_checkpoints = _scan_checkpoints
+            undo.append(lambda scan=scan: setattr(supmod.Supervisor, "_scan_checkpoints", scan))
+        else:
+            k, _, v = item.partition("=")
+            old = getattr(supmod, k)
+            setattr(supmod, k, type(old)(v))
+            undo.append(lambda k=k, old=old: setattr(supmod, k, old))
+
+    def restore() -> None:
+        for u in reversed(undo):
+            u()
+    return restore
+
+
+# `python -m orchestrator run` with apply_patch(argv[1]) first.
+VARIANT = textwrap.dedent(f'''\
+    import sys
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    import bench_supervisor
+    bench_supervisor.apply_patch(sys.argv[1])
+    sys.argv = ["orchestrator"] + sys.argv[2:]
+    from orchestrator.cli import main
+    main()
+    ''')
+
+
+def _earlier_attempt(out: Path, steps: int, save_steps: int) -> None:
+    """Checkpoints left on disk by an earlier attempt (the fake trainer run directly, at full speed)."""
+    env = {**os.environ, "FAKE_STEP_S": "0", "FAKE_STARTUP_S": "0"}
+    subprocess.run([sys.executable, FAKE, "sft", "--output_dir", str(out), "--train_iters", str(steps),
+                    "--save_steps", str(save_steps), "--logging_steps", "1"], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _footprint(work: Path, steps: int, settle_s: float, patch: str = "", poll_s: float = 0.5,
+               earlier_checkpoints: int = 0, sample_s: float = 0.25) -> dict:
+    """The supervisor CLI as a subprocess watching a 1 step/s trainer for `steps` steps (resumed after
+    `earlier_checkpoints` checkpoints of an earlier attempt). RSS sampled throughout; CPU over a window
+    from settle_s after the start to ~2 s before the trainer ends."""
+    work.mkdir(parents=True)
+    save_steps = 10
+    start = earlier_checkpoints * save_steps
+    if start:
+        _earlier_attempt(work / "out", start, save_steps)
+    recipe = write_recipe(work, iterations=start + steps, save_steps=save_steps, persistent=True, extra_env={
+        "FAKE_STEP_S": "1", "FAKE_STARTUP_S": "0.5"}, supervisor={
+        "poll_s": poll_s, "hang_timeout_s": 120, "startup_timeout_s": 120, "wait_s": 0, "force_wait_s": 0})
+    if patch:
+        variant = work / "variant.py"
+        variant.write_text(VARIANT)
+        argv = [sys.executable, str(variant), patch, "run", str(recipe)]
+    else:
+        argv = [sys.executable, "-m", "orchestrator", "run", str(recipe)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(argv, cwd=work, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    p = psutil.Process(proc.pid)
+    rss, t_start = [], time.monotonic()
+    window_start = window_end = None
+    end_at = t_start + settle_s + max(1.0, steps - settle_s - 2.0)  # close before the trainer finishes
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            try:
+                with p.oneshot():
+                    rss.append(p.memory_info().rss)
+                    cpu = p.cpu_times()
+            except psutil.Error:
+                break
+            if window_start is None and now - t_start >= settle_s:
+                window_start = (now, cpu.user + cpu.system)
+            if window_start is not None and window_end is None and now >= end_at:
+                window_end = (now, cpu.user + cpu.system)
+            time.sleep(sample_s)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    assert window_start and window_end, "the trainer finished before the measuring window closed"
+    cpu_pct = 100 * (window_end[1] - window_start[1]) / (window_end[0] - window_start[0])
+    return {"rss_mb": max(rss) / 1e6, "cpu_pct": cpu_pct, "window_s": window_end[0] - window_start[0]}
+
+
+def bench_footprint(steps: int, settle_s: float, variants: bool, earlier: int = 100,
+                    workdir: str | None = None) -> list[dict]:
+    def row(label: str, v: dict) -> dict:
+        return {"name": f"footprint: supervisor CPU, {label} ({v['window_s']:.0f} s window)",
+                "measured": round(v["cpu_pct"], 2), "unit": "%", "target": f"<= {CPU_TARGET_PCT:g}",
+                "pass": v["cpu_pct"] <= CPU_TARGET_PCT}
+
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        base = _footprint(Path(tmp) / "base", steps, settle_s)
+        rows = [{"name": "footprint: supervisor RSS while watching (max)", "measured": round(base["rss_mb"], 1),
+                 "unit": "MB", "target": f"<= {RSS_TARGET_MB:g}", "pass": base["rss_mb"] <= RSS_TARGET_MB},
+                row("1 step/s trainer, fresh run, poll_s=0.5", base)]
+        if variants:  # the idle cost with checkpoints on disk, and what each change would save
+            for i, (label, patch) in enumerate([
+                    (f"resumed, {earlier} checkpoints on disk", ""),
+                    (f"resumed, {earlier} checkpoints, FIX: scan verifies only new checkpoints", "scan_unseen"),
+                    (f"resumed, {earlier} checkpoints, checkpoint scan every 30 s", "CHECKPOINT_SCAN_S=30")]):
+                v = _footprint(Path(tmp) / f"v{i}", steps, settle_s, patch=patch, earlier_checkpoints=earlier)
+                rows.append(row(label, v))
+    return rows
+
+
+# ------------------------------------------------------------------ all
+
+def run(quick: bool = False, lines: int | None = None, repeat: int | None = None, workdir: str | None = None,
+        variants: bool = True) -> list[dict]:
+    lines = lines or (20_000 if quick else 1_000_000)
+    repeat = repeat or (1 if quick else 5)
+    rows = bench_passthrough(lines, repeat, workdir=workdir)
+    rows += bench_recovery(crashes=2 if quick else 6, runs=1 if quick else 2, variants=variants and not quick,
+                           workdir=workdir)
+    rows += bench_footprint(steps=6 if quick else 30, settle_s=2.5 if quick else 6.0, variants=variants and not quick,
+                            workdir=workdir)
+    for r in rows:
+        if isinstance(r["measured"], float) and not math.isfinite(r["measured"]):
+            r["pass"] = False
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    w = max(len(r["name"]) for r in rows)
+    print(f"{'name':<{w}}  {'measured':>12}  {'target':>8}  pass")
+    for r in rows:
+        print(f"{r['name']:<{w}}  {r['measured']:>9} {r['unit']:<2}  {r['target']:>8}  {'yes' if r['pass'] else 'NO'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes: proves the benchmark runs, numbers are rough")
+    ap.add_argument("--lines", type=int, default=None, help="pass-through lines (default 1,000,000)")
+    ap.add_argument("--repeat", type=int, default=None, help="pass-through repetitions (default 5)")
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="skip the footprint runs with 100 checkpoints on disk and the fix variants (~2 min)")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    rows = run(a.quick, a.lines, a.repeat, a.dir, a.variants)
+    print(json.dumps(rows, indent=1)) if a.json else print_table(rows)
+    return 0 if all(r["pass"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""End to end against the real stack: `swift sft` (ms-swift 4.6) LoRA on a tiny MoE, on CPU, offline.
+
+(a) the trainer is SIGKILLed mid-run: classified, resumed, done, and the first resumed step's loss
+    equals an uninterrupted run's;
+(b) the rendezvous port is taken while NPROC_PER_NODE=2 (real torchrun, gloo): port_in_use,
+    relaunched on a fresh port, done;
+(c) the trainer is SIGSTOPped: hang detected, restarted, done.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from orchestrator import launcher, plan
+from orchestrator.demo import inject_kill
+from orchestrator.recipe import load
+from orchestrator.supervisor import Supervisor
+from orchestrator.types import CrashClass, ExitCode, State
+from supervised import attempts, free_port_range
+
+pytestmark = [pytest.mark.swift,
+              pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")]
+
+DEMO = Path(__file__).resolve().parents[1] / "orchestrator" / "data" / "demo-cpu.toml"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from orchestrator import tiny
+
+    return tiny.build(tmp_path_factory.mktemp("tiny"))
+
+
+def recipe(tiny, out: Path, *extra: str):
+    lo, hi = free_port_range(20)
+    return load(DEMO, [f"model.path={json.dumps(tiny['model'])}", f"data.dataset=[{json.dumps(tiny['data'])}]",
+                       f"run.output_dir={json.dumps(str(out / 'out'))}",
+                       f"run.persistent_dir={json.dumps(str(out / 'persist'))}",
+                       "optim.iterations=30", "checkpoint.save_steps=10", "metrics.listen=\"127.0.0.1:0\"",
+                       "metrics.linger_s=0", "supervisor.wait_s=0.5", "supervisor.poll_s=0.1",
+                       f"supervisor.port_range=[{lo}, {hi}]", *extra])
+
+
+def losses(out: Path) -> dict[int, float]:
+    """step -> loss of the last record per step in logging.jsonl (appended across attempts)."""
+    found = {}
+    for line in (out / "out" / "logging.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec and "global_step/max_steps" in rec:
+            found[int(rec["global_step/max_steps"].split("/")[0])] = rec["loss"]
+    return found
+
+
+def first_records(out: Path) -> list[tuple[int, float]]:
+    return [(int(r["global_step/max_steps"].split("/")[0]), r["loss"])
+            for r in map(json.loads, (out / "out" / "logging.jsonl").read_text().splitlines())
+            if "loss" in r and "global_step/max_steps" in r]
+
+
+def test_sigkill_mid_run_resumes_with_the_same_loss(tiny, tmp_path):
+    ref = tmp_path / "ref"
+    assert Supervisor(recipe(tiny, ref), install_signals=False).run() == ExitCode.OK
+    reference = losses(ref)
+    assert sorted(reference) == list(range(1, 31))
+
+    run = tmp_path / "run"
+    sup = Supervisor(recipe(tiny, run), install_signals=False)
+    inject_kill(sup, 13)
+    assert sup.run() == ExitCode.OK
+    runs = attempts(run / "out")
+    assert [a.cls for a in runs] == [CrashClass.HOST_OOM_KILLED, None]
+    assert runs[0].signal == signal.SIGKILL or runs[0].exit_code in (137, -9)
+    assert runs[1].resumed_from == str(run / "out" / "checkpoint-10")
+    records = first_records(run)
+    resumed = records[[s for s, _ in records].index(13) + 1:]  # records after the killed attempt's
+    first_step, first_loss = next((s, l) for s, l in resumed if s <= 11)
+    assert first_step == 11
+    assert first_loss == pytest.approx(reference[11], rel=1e-6)
+    assert max(losses(run)) == 30 and (run / "out" / "checkpoint-30" / "adapter_model.safetensors").exists()
+    assert (run / "persist" / "checkpoint-30").is_dir(), "the final checkpoint was published"
+
+
+def test_port_taken_at_rendezvous_with_two_ranks_relaunches_on_a_new_port(tiny, tmp_path, monkeypatch):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    real = plan.first_free_port
+    calls = []
+
+    def racy(lo, hi, avoid=frozenset()):
+        # The first launch's port was free when checked and taken (by a dying worker, say) by the
+        # time torchrun bound it. Pre-flight's own port check is left alone.
+        if sys._getframe(1).f_code.co_name == "_launch":
+            calls.append(1)
+            if len(calls) == 1:
+                return taken
+        return real(lo, hi, avoid)
+
+    monkeypatch.setattr(plan, "first_free_port", racy)
+    try:
+        r = recipe(tiny, tmp_path, "parallel.nproc_per_node=2", "optim.global_batch_size=2", "optim.iterations=6",
+                   "checkpoint.save_steps=3")
+        assert Supervisor(r, install_signals=False).run() == ExitCode.OK
+    finally:
+        holder.close()
+    runs = attempts(tmp_path / "out")
+    assert [a.cls for a in runs] == [CrashClass.PORT_IN_USE, None]
+    assert runs[0].port == taken and runs[1].port != taken
+    assert any("EADDRINUSE" in e or "address already in use" in e.lower() for e in runs[0].evidence)
+    assert runs[1].end_step == 6
+
+
+def test_sigstopped_trainer_is_detected_as_hung_and_restarted(tiny, tmp_path):
+    r = recipe(tiny, tmp_path, "supervisor.hang_timeout_s=8", "supervisor.grace_s=5")
+    sup = Supervisor(r, install_signals=False)
+    stopped = []
+
+    def freeze() -> None:
+        while not sup.stop_event.wait(0.1):
+            a = sup.attempt
+            if a and a.n == 1 and a.last and a.last.step >= 12:
+                pids = [p.pid for p in launcher.tree(a.launched.pid)]
+                launcher.kill_pids(pids, signal.SIGSTOP)
+                stopped.extend(pids)
+                return
+            if sup.state in (State.COMPLETED, State.GAVE_UP):
+                return
+
+    threading.Thread(target=freeze, daemon=True).start()
+    assert sup.run() == ExitCode.OK
+    assert stopped
+    runs = attempts(tmp_path / "out")
+    assert [a.cls for a in runs] == [CrashClass.NCCL_TIMEOUT_HANG, None]
+    assert "no new training step" in runs[0].evidence[0]
+    # The SIGTERM that ends the hung attempt lets swift's JIT checkpoint save the step it was on.
+    resumed = int(Path(runs[1].resumed_from).name.split("-")[1])
+    assert resumed >= 10 and runs[1].start_step == resumed and runs[1].end_step == 30

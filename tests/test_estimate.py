@@ -1,0 +1,249 @@
+"""The coarse per-GPU memory estimate."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import MINIMAL, ROOT, merge
+from orchestrator import estimate as E
+from orchestrator import plan
+from orchestrator import recipe as R
+from orchestrator.types import GpuSnapshot
+
+# Qwen3-30B-A3B config.json (the keys that matter): 30.5B parameters in total.
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+             "num_hidden_layers": 48, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+             "moe_intermediate_size": 768, "intermediate_size": 6144, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "head_dim": 128, "tie_word_embeddings": False}
+SHAPE = E.shape_from_config(E.KNOWN_CONFIGS["qwen3-235b-a22b"])
+NO_CAPACITY = GpuSnapshot(error="no driver")
+
+
+def recipe(*overrides: str, **sections) -> R.Recipe:
+    data = merge(merge(MINIMAL, {"model": {"path": "/models/x"}, "data": {"dataset": ["/d.jsonl"]},
+                                 "parallel": {"expert": 1}}), sections)
+    return R.validate(R.apply_overrides(data, list(overrides)))
+
+
+# --- shape_from_config ---------------------------------------------------------------------------
+
+def test_shape_qwen3_moe():
+    s = E.shape_from_config(QWEN3_MOE)
+    assert (s.layers, s.hidden, s.vocab, s.experts, s.moe_inter) == (48, 2048, 151936, 128, 768)
+    assert s.expert_params == 48 * 128 * 3 * 2048 * 768
+    assert 30.0e9 < s.total_params < 31.0e9
+    assert s.expert_params < s.total_params
+
+
+@pytest.mark.parametrize("cfg,field,value", [
+    ({"text_config": QWEN3_MOE}, "experts", 128),
+    ({**QWEN3_MOE, "num_experts": None, "n_routed_experts": 64}, "experts", 64),
+    ({**QWEN3_MOE, "num_experts": None, "num_local_experts": 8}, "experts", 8),
+    ({k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}, "experts", 0),
+    ({**QWEN3_MOE, "moe_intermediate_size": None}, "moe_inter", 6144),
+    ({**QWEN3_MOE, "total_params": 31e9}, "total_params", 31e9),
+    ({**QWEN3_MOE, "hidden_size": "2048"}, "hidden", 2048),
+])
+def test_shape_variants(cfg, field, value):
+    assert getattr(E.shape_from_config(cfg), field) == value
+
+
+def test_shape_total_bytes_win():
+    s = E.shape_from_config({**QWEN3_MOE, "total_params": 1e9}, total_bytes=61_000_000_000)
+    assert s.total_params == 30.5e9
+    assert E.shape_from_config(QWEN3_MOE, total_bytes=8, dtype_bytes=4).total_params == 2
+
+
+def test_shape_expert_params_capped_by_total():
+    s = E.shape_from_config(QWEN3_MOE, total_bytes=2_000)
+    assert s.expert_params == s.total_params == 1000
+
+
+def test_shape_without_head_dim():
+    s = E.shape_from_config({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"})
+    assert s.total_params < E.shape_from_config(QWEN3_MOE).total_params  # head_dim 2048/32 = 64 < 128
+
+
+@pytest.mark.parametrize("cfg", [{}, {"hidden_size": 8}, {"hidden_size": 8, "num_hidden_layers": 2},
+                                 {"hidden_size": "x", "num_hidden_layers": 2, "vocab_size": 3},
+                                 {"hidden_size": None, "num_hidden_layers": 2, "vocab_size": 3},
+                                 {"text_config": {"vocab_size": 3}}])
+def test_shape_unreadable(cfg):
+    assert E.shape_from_config(cfg) is None
+
+
+@pytest.mark.parametrize("path,key", [
+    ("/models/Qwen3.5-397B-A17B", "qwen3.5-397b-a17b"),
+    ("/models/Qwen3.5-397B-A17B/", "qwen3.5-397b-a17b"),
+    ("/models/Qwen3-235B-A22B-Instruct-2507", "qwen3-235b-a22b"),
+    ("Qwen/Qwen3-235B-A22B", "qwen3-235b-a22b"),
+    ("/models/Llama-3-8B", None),
+    ("/models/qwen3-235b", None),
+    ("/models/my-Qwen3-235B-A22B", None),
+])
+def test_known_config(path, key):
+    assert E.known_config(path) is (E.KNOWN_CONFIGS[key] if key else None)
+
+
+@pytest.mark.parametrize("key,total", [("qwen3.5-397b-a17b", 397e9), ("qwen3-235b-a22b", 235e9)])
+def test_known_configs_are_plausible(key, total):
+    s = E.shape_from_config(E.KNOWN_CONFIGS[key])
+    assert s.total_params == total
+    assert 0.8 * total < s.expert_params < total
+    assert s.experts in (128, 512)
+
+
+# --- estimate: sanity and monotonicity -----------------------------------------------------------
+
+def test_more_ep_fewer_weights():
+    est = [E.estimate(recipe(parallel={"expert": ep}), SHAPE, None) for ep in (1, 2, 4, 8)]
+    weights = [e.base_weights_gib for e in est]
+    assert weights == sorted(weights, reverse=True) and len(set(weights)) == 4
+    assert [e.lora_gib for e in est] == sorted((e.lora_gib for e in est), reverse=True)
+    assert [e.total_gib for e in est] == sorted((e.total_gib for e in est), reverse=True)
+
+
+def test_more_tp_fewer_weights_and_activations():
+    est = [E.estimate(recipe(parallel={"tensor": tp}, optim={"global_batch_size": 16}), SHAPE, None)
+           for tp in (1, 2, 4, 8)]
+    assert len({e.base_weights_gib for e in est}) == 4
+    assert [e.base_weights_gib for e in est] == sorted((e.base_weights_gib for e in est), reverse=True)
+    assert [e.activations_gib for e in est] == sorted((e.activations_gib for e in est), reverse=True)
+
+
+def test_pipeline_splits_weights():
+    a = E.estimate(recipe(), SHAPE, None)
+    b = E.estimate(recipe(parallel={"pipeline": 2}), SHAPE, None)
+    assert b.base_weights_gib == pytest.approx(a.base_weights_gib / 2)
+
+
+def test_recompute_order():
+    act = {g: E.estimate(recipe(memory={"recompute_granularity": g}), SHAPE, None).activations_gib
+           for g in ("full", "selective", "none")}
+    assert act["full"] < act["selective"] < act["none"]
+
+
+def test_no_recompute_note():
+    e = E.estimate(recipe(memory={"recompute_granularity": "none"}), SHAPE, None)
+    assert any("recompute" in n for n in e.notes)
+    assert not E.estimate(recipe(), SHAPE, None).notes
+
+
+def test_sequence_parallel_reduces_full_recompute_activations():
+    base = {"tensor": 2, "expert": 1}
+    a = E.estimate(recipe(parallel=base, memory={"recompute_granularity": "full"}), SHAPE, None)
+    b = E.estimate(recipe(parallel={**base, "sequence_parallel": True}, memory={"recompute_granularity": "full"}),
+                   SHAPE, None)
+    assert b.activations_gib < a.activations_gib
+
+
+@pytest.mark.parametrize("field,small,big", [
+    ("data.max_length", 1024, 4096),
+    ("optim.micro_batch_size", 1, 2),
+])
+def test_activations_grow(field, small, big):
+    a = E.estimate(recipe(f"{field}={small}"), SHAPE, None)
+    b = E.estimate(recipe(f"{field}={big}"), SHAPE, None)
+    assert b.activations_gib > a.activations_gib
+    assert b.base_weights_gib == a.base_weights_gib
+
+
+def test_context_parallel_splits_activations():
+    a = E.estimate(recipe(), SHAPE, None)
+    b = E.estimate(recipe(parallel={"context": 2}), SHAPE, None)
+    assert b.activations_gib == pytest.approx(a.activations_gib / 2)
+
+
+def test_lora_rank_linear():
+    a = E.estimate(recipe(lora={"rank": 8}), SHAPE, None)
+    b = E.estimate(recipe(lora={"rank": 16}), SHAPE, None)
+    assert b.lora_gib == pytest.approx(2 * a.lora_gib)
+    assert b.optimizer_gpu_gib == pytest.approx(2 * a.optimizer_gpu_gib)
+
+
+def test_dtype_bytes():
+    a = E.estimate(recipe(), SHAPE, None)
+    b = E.estimate(recipe(model={"torch_dtype": "float32"}), SHAPE, None)
+    assert b.base_weights_gib == pytest.approx(2 * a.base_weights_gib)
+
+
+@pytest.mark.parametrize("offload,fraction,gpu_share", [
+    (False, 1.0, 1.0),
+    (False, 0.5, 1.0),   # the fraction only counts with optimizer_cpu_offload
+    (True, 1.0, 0.0),
+    (True, 0.5, 0.5),
+    (True, 0.0, 1.0),
+])
+def test_optimizer_offload(offload, fraction, gpu_share):
+    e = E.estimate(recipe(memory={"optimizer_cpu_offload": offload, "optimizer_offload_fraction": fraction}),
+                   SHAPE, None)
+    total = e.optimizer_gpu_gib + e.optimizer_cpu_gib
+    assert total > 0
+    assert e.optimizer_gpu_gib == pytest.approx(total * gpu_share)
+    if gpu_share == 0.0:
+        assert e.optimizer_gpu_gib == 0
+
+
+def test_total_is_sum_of_parts():
+    e = E.estimate(recipe(), SHAPE, 80)
+    parts = e.base_weights_gib + e.lora_gib + e.activations_gib + e.optimizer_gpu_gib + e.overhead_gib
+    assert e.total_gib == pytest.approx(parts)
+    assert e.overhead_gib == E.RUNTIME_OVERHEAD_GIB
+
+
+@pytest.mark.parametrize("capacity,fits", [(None, None), (10.0, False), (10_000.0, True)])
+def test_fits(capacity, fits):
+    e = E.estimate(recipe(parallel={"expert": 8}), SHAPE, capacity)
+    assert e.fits is fits
+    assert e.capacity_gib == capacity
+    assert any("exceeds" in n for n in e.notes) is (fits is False)
+
+
+def test_fits_uses_95_percent():
+    e = E.estimate(recipe(parallel={"expert": 8}), SHAPE, None)
+    assert E.estimate(recipe(parallel={"expert": 8}), SHAPE, e.total_gib / 0.95 + 0.01).fits is True
+    assert E.estimate(recipe(parallel={"expert": 8}), SHAPE, e.total_gib).fits is False
+
+
+def test_no_shape():
+    e = E.estimate(recipe(), None, 80)
+    assert e.base_weights_gib == 0 and e.activations_gib == 0
+    assert e.total_gib == pytest.approx(E.RUNTIME_OVERHEAD_GIB)
+    assert any("config.json" in n for n in e.notes)
+
+
+def test_as_dict_rounds():
+    d = E.estimate(recipe(), SHAPE, 79.6).as_dict()
+    assert set(d) >= {"base_weights_gib", "lora_gib", "activations_gib", "optimizer_gpu_gib", "optimizer_cpu_gib",
+                      "overhead_gib", "total_gib", "capacity_gib", "fits", "notes"}
+    assert all(round(v, 2) == v for v in d.values() if isinstance(v, float))
+
+
+# --- the shipped recipes, through plan.memory and the known configs ------------------------------
+
+@pytest.mark.parametrize("name,capacity", [("qwen3.5-397b-a17b-lora-ep8.toml", 139.8),
+                                           ("qwen3-235b-a22b-lora-ep8.toml", 80.0)])
+def test_shipped_recipe_fits(name, capacity):
+    r = R.load(ROOT / "recipes" / name)
+    e = plan.memory(r, NO_CAPACITY)
+    assert e.capacity_gib == r.gpu.capacity_gib <= capacity
+    assert e.fits is True
+    assert e.total_gib <= capacity * 0.95
+    assert e.base_weights_gib > 20, "estimated from the known config, not zero"
+    assert e.optimizer_gpu_gib == 0 and e.optimizer_cpu_gib > 0
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("qwen3.5-397b-a17b-lora-ep8.toml", ["parallel.expert=1"]),
+    ("qwen3.5-397b-a17b-lora-ep8.toml", ["parallel.expert=2"]),
+    ("qwen3.5-397b-a17b-lora-ep8.toml", ["memory.optimizer_cpu_offload=false"]),
+    ("qwen3-235b-a22b-lora-ep8.toml", ["parallel.expert=1"]),
+    ("qwen3-235b-a22b-lora-ep8.toml", ["parallel.expert=2"]),
+])
+def test_shipped_recipe_bad_layout_does_not_fit(name, overrides):
+    e = plan.memory(R.load(ROOT / "recipes" / name, overrides), NO_CAPACITY)
+    assert e.fits is False
+
+
+def test_demo_recipe_estimate_has_no_capacity():
+    e = plan.memory(R.load(ROOT / "recipes" / "demo-cpu.toml"), GpuSnapshot(error="GPU checks disabled"))
+    assert e.capacity_gib is None and e.fits is None

@@ -1,0 +1,247 @@
+"""`orchestrator plan`: argv, env, hash, memory and the pre-flight checks."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from conftest import MODEL_CONFIG, RECIPES, make_model
+from orchestrator import plan
+from orchestrator import recipe as R
+from orchestrator.gpu import NullReader
+from orchestrator.types import GpuInfo, GpuSnapshot
+
+GIB = 1024**3
+
+
+class FakeReader:
+    def __init__(self, snap: GpuSnapshot):
+        self.snap = snap
+
+    def snapshot(self) -> GpuSnapshot:
+        return self.snap
+
+
+def gpus(n: int, gib: float = 80) -> GpuSnapshot:
+    return GpuSnapshot(gpus=tuple(GpuInfo(i, "NVIDIA H100", int(gib * GIB), 0) for i in range(n)))
+
+
+NO_DRIVER = GpuSnapshot(error="NVML unavailable: NVML Shared Library Not Found")
+
+
+@pytest.fixture
+def listening():
+    """A port held by a listening socket."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    yield s.getsockname()[1]
+    s.close()
+
+
+def by_name(checks) -> dict:
+    return {c["name"] if isinstance(c, dict) else c.name: c for c in checks}
+
+
+# --- plan() --------------------------------------------------------------------------------------
+
+def test_plan_shape(write_recipe):
+    r = R.load(write_recipe())
+    out = plan.plan(r, FakeReader(gpus(8)))
+    json.loads(json.dumps(out))  # JSON-serialisable as is
+    assert isinstance(out["argv"], list) and out["argv"][:2] == ["megatron", "sft"]
+    assert all(isinstance(w, str) for w in out["argv"])
+    assert isinstance(out["env"], dict) and out["env"]["NPROC_PER_NODE"] == "8"
+    assert out["recipe_hash"] == R.recipe_hash(r)
+    assert out["backend"] == "megatron"
+    assert out["checks"] and all(set(c) >= {"name", "ok", "detail"} for c in out["checks"])
+    assert all(isinstance(c["ok"], bool) and c["detail"] for c in out["checks"])
+    assert {"total_gib", "fits", "capacity_gib"} <= set(out["memory"])
+    assert out["memory"]["capacity_gib"] == 80.0
+
+
+def test_plan_all_ok(write_recipe, tmp_path):
+    r = R.load(write_recipe(supervisor={"min_free_gib": 0}))
+    checks = by_name(plan.plan(r, FakeReader(gpus(8)))["checks"])
+    assert {n: c["ok"] for n, c in checks.items()} == {
+        "model": True, "dataset": True, "disk:output_dir": True, "disk:persistent_dir": True, "gpus": True,
+        "rendezvous_port": True, "experts_divisible_by_ep": True, "global_batch_divisible": True}
+
+
+@pytest.mark.parametrize("name", [p.name for p in RECIPES])
+def test_plan_shipped_recipes(name):
+    r = R.load(next(p for p in RECIPES if p.name == name))
+    out = plan.plan(r, FakeReader(NO_DRIVER))
+    json.dumps(out)
+    assert out["argv"][1] == "sft"
+    assert by_name(out["checks"])["gpus"]["ok"] is (not r.gpu.check)
+
+
+def test_plan_without_driver_does_not_raise(write_recipe):
+    r = R.load(write_recipe())
+    out = plan.plan(r)  # the real NVML reader
+    g = by_name(out["checks"])["gpus"]
+    if "NVML" in g["detail"] and not g["ok"]:  # this machine: no driver
+        assert "driver" in g["detail"]
+        assert g["fatal"] is True
+        assert out["memory"]["capacity_gib"] is None
+
+
+def test_plan_gpus_check_fails_with_driver_message(write_recipe):
+    out = plan.plan(R.load(write_recipe()), FakeReader(NO_DRIVER))
+    g = by_name(out["checks"])["gpus"]
+    assert g["ok"] is False and "driver" in g["detail"] and "NVML" in g["detail"]
+
+
+def test_plan_gpu_check_disabled(write_recipe):
+    r = R.load(write_recipe(gpu={"check": False, "capacity_gib": 141.0}))
+    out = plan.plan(r)  # NullReader: nothing touches NVML
+    g = by_name(out["checks"])["gpus"]
+    assert g["ok"] is True and g["fatal"] is False and "disabled" in g["detail"]
+    assert out["memory"]["capacity_gib"] == 141.0
+
+
+def test_plan_uses_first_free_port(write_recipe, listening):
+    if not plan.port_free(listening + 1):
+        pytest.skip("neighbouring port busy too")
+    r = R.load(write_recipe(supervisor={"port_range": [listening, listening + 1]}))
+    assert plan.plan(r, FakeReader(gpus(8)))["env"]["MASTER_PORT"] == str(listening + 1)
+
+
+# --- check_gpus ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("snap,ok,fragment", [
+    (gpus(8), True, "NVML sees 8 GPU(s)"),
+    (gpus(16), True, "NVML sees 16"),
+    (gpus(4), False, "nproc_per_node = 8"),
+    (gpus(0), False, "NVML sees 0"),
+    (NO_DRIVER, False, "no NVIDIA driver"),
+    (NullReader().snapshot(), False, "gpu.check = false"),
+])
+def test_check_gpus(write_recipe, snap, ok, fragment):
+    c = plan.check_gpus(R.load(write_recipe()), snap)
+    assert c.ok is ok and fragment in c.detail and c.name == "gpus"
+
+
+# --- ports ---------------------------------------------------------------------------------------
+
+def test_port_busy(listening):
+    assert plan.port_free(listening) is False
+
+
+def test_first_free_port_skips_busy(listening):
+    p = plan.first_free_port(listening, listening + 3)
+    assert p != listening
+    assert p is None or listening < p <= listening + 3
+
+
+def test_first_free_port_none(listening):
+    assert plan.first_free_port(listening, listening) is None
+
+
+def test_first_free_port_avoid():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    # `free` was just released: usually free again; avoid makes it skipped regardless
+    assert plan.first_free_port(free, free, avoid={free}) is None
+
+
+def test_check_port_busy(write_recipe, listening):
+    c = plan.check_port(R.load(write_recipe(supervisor={"port_range": [listening, listening]})))
+    assert c.ok is False and f"{listening}-{listening}" in c.detail and c.name == "rendezvous_port"
+
+
+def test_check_port_skips_busy(write_recipe, listening):
+    if not plan.port_free(listening + 1):
+        pytest.skip("neighbouring port busy too")
+    c = plan.check_port(R.load(write_recipe(supervisor={"port_range": [listening, listening + 1]})))
+    assert c.ok is True and c.detail.startswith(f"{listening + 1} free")
+
+
+# --- model / dataset -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config,weights,ok,fragment", [
+    (MODEL_CONFIG, True, True, "1 safetensors file(s)"),
+    (None, True, False, "no config.json"),
+    (MODEL_CONFIG, False, False, "no *.safetensors"),
+    (None, False, False, "no config.json"),
+])
+def test_check_model(write_recipe, tmp_path, config, weights, ok, fragment):
+    make_model(tmp_path / "m", config, weights)
+    c = plan.check_model(R.load(write_recipe(model={"path": "m", "num_experts": 16})))
+    assert c.ok is ok and fragment in c.detail and c.name == "model"
+
+
+def test_check_model_missing_dir(write_recipe):
+    c = plan.check_model(R.load(write_recipe(model={"path": "/nonexistent/model", "num_experts": 16})))
+    assert c.ok is False and "/nonexistent/model" in c.detail
+
+
+@pytest.mark.parametrize("dataset,val,ok,fragment", [
+    (["data.jsonl"], [], True, "1 local file(s) found"),
+    (["data.jsonl", "data.jsonl#10"], ["data.jsonl"], True, "3 local file(s)"),
+    (["missing.jsonl"], [], False, "missing: "),
+    (["data.jsonl"], ["nope.jsonl"], False, "nope.jsonl"),
+    (["AI-ModelScope/alpaca-gpt4-data-en#500"], [], False, "non-local"),
+    (["/abs/missing.jsonl#100"], [], False, "/abs/missing.jsonl#100"),
+])
+def test_check_data(write_recipe, dataset, val, ok, fragment):
+    c = plan.check_data(R.load(write_recipe(data={"dataset": dataset, "val_dataset": val})))
+    assert c.ok is ok and fragment in c.detail and c.name == "dataset"
+
+
+# --- disk / layout -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,need,ok,fatal", [
+    (None, 50, True, False),
+    ("/", 0, True, True),
+    ("/definitely/not/here/yet", 0, True, True),   # the nearest existing parent is measured
+    ("/", 1e9, False, True),
+])
+def test_check_disk(path, need, ok, fatal):
+    c = plan.check_disk("output_dir", path, need)
+    assert (c.ok, c.fatal, c.name) == (ok, fatal, "disk:output_dir")
+
+
+def test_free_gib_positive(tmp_path):
+    assert plan.free_gib(str(tmp_path / "a" / "b")) > 0
+
+
+@pytest.mark.parametrize("sections,ep_ok,ep_fatal", [
+    ({}, True, True),
+    ({"model": {"path": "/nonexistent/model"}}, False, False),     # expert count unknown: a warning
+    ({"model": {"path": "/nonexistent/model", "num_experts": 64}}, True, True),
+])
+def test_check_layout(write_recipe, sections, ep_ok, ep_fatal):
+    ep, gbs = plan.check_layout(R.load(write_recipe(**sections)))
+    assert (ep.name, ep.ok, ep.fatal) == ("experts_divisible_by_ep", ep_ok, ep_fatal)
+    assert gbs.ok is True and "DP 8" in gbs.detail
+
+
+def test_preflight_names(write_recipe):
+    names = [c.name for c in plan.preflight(R.load(write_recipe()), gpus(8))]
+    assert names == ["model", "dataset", "disk:output_dir", "disk:persistent_dir", "gpus", "rendezvous_port",
+                     "experts_divisible_by_ep", "global_batch_divisible"]
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+def test_memory_from_config_and_index(write_recipe, tmp_path):
+    d = make_model(tmp_path / "big", {**MODEL_CONFIG, "hidden_size": 4096, "num_hidden_layers": 60,
+                                      "vocab_size": 150_000, "moe_intermediate_size": 1024})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 40 * GIB}}))
+    r = R.load(write_recipe(model={"path": "big"}))
+    with_index = plan.memory(r, gpus(8, 80))
+    (d / "model.safetensors.index.json").write_text("{}")
+    without = plan.memory(r, gpus(8, 80))
+    assert with_index.capacity_gib == 80
+    assert with_index.base_weights_gib != without.base_weights_gib
+    assert with_index.base_weights_gib > 0 and without.base_weights_gib > 0
+
+
+def test_memory_unknown_model(write_recipe):
+    r = R.load(write_recipe(model={"path": "/nonexistent/model", "num_experts": 16}))
+    e = plan.memory(r, NO_DRIVER)
+    assert e.base_weights_gib == 0 and any("config.json" in n for n in e.notes)
