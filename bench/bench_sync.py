@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import numpy as np  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
+import numpy as np
+from safetensors.numpy import save_file
 
-from orchestrator import checkpoints as ck  # noqa: E402
-from orchestrator import sync  # noqa: E402
+from orchestrator import checkpoints as ck
+from orchestrator import sync
 
 MIB = 1 << 20
 

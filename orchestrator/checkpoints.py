@@ -8,14 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import re
 import struct
+import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from orchestrator.types import CheckpointInfo
 

@@ -31,7 +31,8 @@ dl.meta{display:grid;grid-template-columns:max-content 1fr;gap:2px 14px;margin:8
 dl.meta dt{color:#5b6570}dl.meta dd{margin:0;font-family:ui-monospace,Menlo,Consolas,monospace;word-break:break-all}
 .state{font-weight:600}.state.completed,.state.running{color:#2e9d5b}.state.gave_up{color:#c0392b}
 table{border-collapse:collapse;width:100%;font-size:13px}th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eceff2;
-vertical-align:top}th{background:#f6f8fa;font-weight:600}td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
+vertical-align:top}th{background:#f6f8fa;font-weight:600}td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+td.nw{white-space:nowrap}
 .chip{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px;vertical-align:-1px}
 .legend span.item{margin-right:16px;white-space:nowrap;font-size:13px}.ev{color:#5b6570;font-family:ui-monospace,Menlo,
 monospace;font-size:12px;word-break:break-word}svg{display:block;max-width:100%;height:auto}
@@ -165,7 +166,7 @@ def goodput_section(g: dict) -> str:
         x += w
     out.append("</svg><table><tr><th>time</th><th class=num>seconds</th><th class=num>share</th></tr>")
     for name, secs in parts:
-        share = f"{secs / total:.1%}" if total > 0 else "-"
+        share = f"{g['ratio'] if name == 'productive' else secs / total:.1%}" if total > 0 else "-"
         out.append(f'<tr><td><span class="chip" style="background:{CAUSE_COLORS[name]}"></span>{name}</td>'
                    f'<td class=num>{secs:.1f}</td><td class=num>{share}</td></tr>')
     out.append(f'<tr><th>total</th><th class=num>{total:.1f}</th><th class=num></th></tr></table>')
@@ -188,7 +189,8 @@ def attempts_table(attempts: list[dict]) -> str:
                if a["class"] else '<span class="muted">-</span>')
         ev = a["evidence"][0] if a["evidence"] else ""
         out.append(f"<tr><td class=num>{a['n']}</td><td>{e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a['started_at'])))}"
-                   f"</td><td class=num>{e(ran)}</td><td>{e(steps)}</td><td>{e(exit_text(a))}</td><td>{cls}</td>"
+                   f"</td><td class=num>{e(ran)}</td><td class=nw>{e(steps)}</td><td class=nw>{e(exit_text(a))}</td>"
+                   f"<td class=nw>{cls}</td>"
                    f"<td class=ev>{e(a['resumed_from'] or '-')}</td>"
                    f"<td class=ev title=\"{e(chr(10).join(a['evidence']))}\">{e(ev[:240])}</td></tr>")
     out.append("</table>")
@@ -204,7 +206,7 @@ def events_list(events: list[dict]) -> str:
 def render(d: dict) -> str:
     steps = f"{d['step'] if d['step'] is not None else '?'} / {d['max_steps'] or '?'}"
     meta = [("recipe hash", d["recipe_hash"]), ("backend", d["backend"]), ("model", d["model"]),
-            ("steps", steps), ("attempts", len(d["attempts"])), ("crashes", len(d["crashes"])),
+            ("steps", steps), ("goodput", f"{d['goodput']['ratio']:.1%}"), ("attempts", len(d["attempts"])), ("crashes", len(d["crashes"])),
             ("output dir", d["output_dir"]),
             ("generated", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(d["generated_at"])))]
     if d["exit_reason"]:

@@ -45,9 +45,9 @@ def goodput_of(j: Journal, now: float | None = None) -> goodput.Goodput:
     return goodput.account(attempt_times(attempts, j.checkpoints(), done), spans, now=end or now)
 
 
-def goodput_dict(g: goodput.Goodput) -> dict:
-    return {"ratio": round(g.ratio, 4), "total_s": round(g.total_s, 1), "productive_s": round(g.productive_s, 1),
-            "lost_s": {k: round(v, 1) for k, v in g.lost.items()}}
+def goodput_dict(g: goodput.Goodput, digits: int = 1) -> dict:
+    return {"ratio": round(g.ratio, 4), "total_s": round(g.total_s, digits),
+            "productive_s": round(g.productive_s, digits), "lost_s": {k: round(v, digits) for k, v in g.lost.items()}}
 
 
 def output_dir_of(r: Recipe, kv: dict) -> Path:
@@ -197,14 +197,16 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
         "crashes": len([a for a in attempts if a.cls]),
         "fraction": min(1.0, step / max_steps) if step is not None and max_steps else None,
         "step_s": step_s, "eta_s": eta, "loss": loss_summary(records), "sync": sync,
-        "goodput_detail": goodput_dict(g),
+        "goodput_detail": goodput_dict(g, 3),
     }
 
 
 def fmt_duration(s: float | None) -> str:
     if s is None:
         return "?"
-    s = max(0, int(s))
+    if s < 10:
+        return f"{max(0.0, s):.1f}s"
+    s = int(s)
     d, h, m = s // 86400, s % 86400 // 3600, s % 3600 // 60
     return f"{d}d {h}h" if d else f"{h}h {m:02d}m" if h else f"{m}m {s % 60:02d}s" if m else f"{s}s"
 

@@ -61,10 +61,14 @@ class Sidecar:
             self.journal.event("sync_problem", msg)
         if res is not None:
             self.metrics.sync_done(res.bytes_copied, res.lag_s or 0.0)
-            for name in res.copied:
-                self.journal.event("synced", f"published {name} to {self.recipe.run.persistent_dir}")
-                if re.fullmatch(r"checkpoint-\d+", name):
-                    self.journal.mark_synced(int(name.split("-")[1]))
+        # What is published now, from persistent_dir itself: a round's result can be superseded
+        # before this runs, the directory cannot.
+        published = {int(m.group(1)) for d in Path(self.recipe.run.persistent_dir).glob("checkpoint-*")
+                     if (m := re.fullmatch(r"checkpoint-(\d+)", d.name))}
+        for c in self.journal.checkpoints():
+            if c["ok"] and c["synced_at"] is None and c["step"] in published:
+                self.journal.mark_synced(c["step"])
+                self.journal.event("synced", f"published checkpoint-{c['step']} to {self.recipe.run.persistent_dir}")
 
     def stop(self, final_sync: bool) -> None:
         if self.thread:

@@ -15,9 +15,9 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Mapping
 
 from orchestrator import checkpoints as ck
 
@@ -70,7 +70,7 @@ def filter_manifest(manifest: Mapping, excludes: tuple[str, ...]) -> dict:
 
 
 def same_content(a: Mapping | None, b: Mapping | None) -> bool:
-    key = lambda m: (m.get("step"), [(f["path"], f["size"], f["sha256"]) for f in m.get("files", [])])  # noqa: E731
+    key = lambda m: (m.get("step"), [(f["path"], f["size"], f["sha256"]) for f in m.get("files", [])])
     return a is not None and b is not None and key(a) == key(b)
 
 

@@ -96,6 +96,8 @@ def journal(output_dir: Path) -> Journal:
 
 
 def attempts(output_dir: Path):
+    if not journal_path(state_dir(output_dir)).exists():
+        return []
     j = journal(output_dir)
     try:
         return j.attempts()
@@ -104,6 +106,8 @@ def attempts(output_dir: Path):
 
 
 def events(output_dir: Path, kind: str | None = None) -> list[dict]:
+    if not journal_path(state_dir(output_dir)).exists():
+        return []
     j = journal(output_dir)
     try:
         return [e for e in j.events(10_000) if kind is None or e["kind"] == kind]

@@ -1,22 +1,19 @@
 """monitoring/: alert rules (promtool + a real Prometheus), dashboard, and runbook coverage."""
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from orchestrator.metrics import Metrics
 from orchestrator.types import CrashClass, GpuInfo, GpuSnapshot, State
+from prom import firing, needs_prometheus, poll, query, running_prometheus
 
 yaml = pytest.importorskip("yaml")
 
@@ -34,7 +31,6 @@ EXPECTED_ALERTS = {
     "OrchestratorDiskFull",
 }
 PROMTOOL = shutil.which("promtool")
-PROMETHEUS = shutil.which("prometheus")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not installed (Debian/Ubuntu: apt-get install prometheus)")
 
@@ -186,82 +182,8 @@ def test_runbook_index_links_every_page():
 # ---------------------------------------------------------------- a real Prometheus
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=2) as r:
-        return json.load(r)
-
-
-def poll(pred: Callable[[], object], deadline_s: float, what: str, every: float = 0.25):
-    """Call pred until it returns something truthy (errors count as not yet)."""
-    end = time.monotonic() + deadline_s
-    last_err: Exception | None = None
-    while time.monotonic() < end:
-        try:
-            got = pred()
-            if got:
-                return got
-        except (OSError, ValueError) as e:  # not listening yet / not ready
-            last_err = e
-        time.sleep(every)
-    pytest.fail(f"timed out after {deadline_s}s waiting for {what} (last error: {last_err})")
-
-
-@contextlib.contextmanager
-def running_prometheus(tmp_path: Path, targets: list[str], rule_files: list[Path]) -> Iterator[str]:
-    """Start prometheus on loopback scraping `targets` every 1 s; yields its base URL; always killed."""
-    port = free_port()
-    config = {  # JSON is YAML
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": "orchestrator", "static_configs": [{"targets": targets}]}],
-    }
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(json.dumps(config))
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        def ready() -> bool:
-            if proc.poll() is not None:
-                return True  # exited: stop polling, fail below with its log
-            with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as r:
-                return r.status == 200
-
-        poll(ready, 30, "prometheus to become ready")
-        if proc.poll() is not None:
-            pytest.fail(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
-
-
-def query(base: str, promql: str) -> list[dict]:
-    data = get_json(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
-    return data["data"]["result"]
-
-
-def firing(base: str, alertname: str) -> list[dict]:
-    alerts = get_json(f"{base}/api/v1/alerts")["data"]["alerts"]
-    return [a for a in alerts if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
-
-
 @pytest.mark.prometheus
-@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
+@needs_prometheus
 def test_crash_loop_fires_in_a_real_prometheus(tmp_path: Path):
     # The shipped rule works as is: `for: 0m`, and [1h] needs no rewrite because the counters are
     # pre-created at 0, so the first scrape gives increase() its baseline.

@@ -17,7 +17,7 @@ import pytest
 from orchestrator.launcher import RUN_MARKER
 from orchestrator.rundir import run_id
 from orchestrator.types import CrashClass, ExitCode
-from supervised import attempts, cli, events, logged_steps, supervise, write_recipe
+from supervised import attempts, cli, events, journal, logged_steps, supervise, write_recipe
 
 RECOVERED = [c for c in CrashClass if c not in (CrashClass.OTHER,)]
 
@@ -268,3 +268,77 @@ def test_resumes_from_persistent_storage_when_local_disk_is_gone(tmp_path):
     assert code == ExitCode.OK
     runs = attempts(tmp_path / "out")
     assert runs[0].resumed_from == str(tmp_path / "out" / "checkpoint-20")
+
+
+class HeldGpus:
+    """NVML stand-in: GPU 3 is held by `holder` (30 GiB) for as long as that process lives."""
+
+    def __init__(self, holder: subprocess.Popen):
+        self.holder = holder
+        self.calls = 0
+
+    def snapshot(self):
+        from orchestrator.types import GpuInfo, GpuProcess, GpuSnapshot
+
+        self.calls += 1
+        held = self.holder.poll() is None
+        gpus = tuple(GpuInfo(i, "H200", 141 << 30, (30 << 30) if held and i == 3 else 0,
+                             (GpuProcess(self.holder.pid, 30 << 30),) if held and i == 3 else ())
+                     for i in range(8))
+        return GpuSnapshot(gpus=gpus)
+
+
+@pytest.mark.parametrize("allowed", [True, False], ids=["kill_pattern_matches", "no_kill_pattern"])
+def test_foreign_gpu_holder_is_killed_only_when_the_recipe_allows(tmp_path, allowed):
+    from orchestrator.recipe import load
+    from orchestrator.supervisor import Supervisor
+    import threading
+
+    holder = subprocess.Popen(["sleep", "300"])
+    patterns = '["^sleep 300$"]' if allowed else "[]"
+    recipe = write_recipe(tmp_path, iterations=20)
+    sup = Supervisor(load(recipe, ["gpu.check=true", f"gpu.kill_patterns={patterns}",
+                                   "supervisor.backoff_max_s=0.2"]),
+                     gpu_reader=HeldGpus(holder), install_signals=False)
+    result = []
+    t = threading.Thread(target=lambda: result.append(sup.run()))
+    t.start()
+    try:
+        if allowed:
+            t.join(60)
+            assert result == [ExitCode.OK]
+            assert holder.wait(5) == -signal.SIGKILL
+            ev = events(tmp_path / "out", "gpus_not_clear")
+            assert ev[0]["data"]["killed_foreign"] == [holder.pid]
+        else:
+            deadline = time.monotonic() + 30
+            while len(events(tmp_path / "out", "gpus_not_clear")) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(events(tmp_path / "out", "gpus_not_clear")) >= 3
+            assert sup.state.value == "verifying" and not attempts(tmp_path / "out"), "never launched onto busy GPUs"
+            assert holder.poll() is None, "a process outside the run is never killed without a pattern"
+            assert any(holder.pid in e["data"].get("spared_foreign", []) for e in events(tmp_path / "out", "gpus_not_clear"))
+    finally:
+        sup.request_stop("test over")
+        t.join(60)
+        holder.kill()
+        holder.wait()
+
+
+def test_spot_notice_stops_training_and_publishes_the_last_checkpoint(tmp_path):
+    notice = tmp_path / "reclaim"
+    recipe = write_recipe(tmp_path, iterations=3000, supervisor={"spot_notice_file": str(notice)})
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    _wait_for_step(tmp_path / "out", 25)
+    notice.write_text("instance-action: terminate\n")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    stop = events(tmp_path / "out", "stop")
+    assert stop and "spot interruption" in stop[0]["message"] and "terminate" in stop[0]["message"]
+    newest = os.readlink(tmp_path / "out" / "last-checkpoint")  # the newest complete one
+    assert (tmp_path / "persist" / newest).is_dir(), "the final sync published the newest checkpoint"
+    j = journal(tmp_path / "out")
+    assert all(c["synced_at"] for c in j.checkpoints()), "the journal knows what reached persistent storage"
+    j.close()
+    assert not _run_processes(tmp_path / "out")

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_checkpoints import make_megatron, make_merged, make_swift  # noqa: E402
+from test_checkpoints import make_megatron, make_merged, make_swift
 
-from orchestrator import checkpoints as ck  # noqa: E402
-from orchestrator import sync  # noqa: E402
+from orchestrator import checkpoints as ck
+from orchestrator import sync
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_RSYNC = sync.shutil.which("rsync") is not None
