@@ -82,7 +82,7 @@ def run(size_mib: int = 1024, files: int = 1000, workdir: str | None = None, rep
         for i in range(rounds):  # rotate the order and keep the best: the disk here is shared and noisy,
             order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]  # and whatever runs second
             for k in order:                                                    # pays for the first's writeback
-                times[k].append(_timed(lambda: runs[k](tmp / f"dst-{k}")))
+                times[k].append(_timed(lambda k=k: runs[k](tmp / f"dst-{k}")))
                 shutil.rmtree(tmp / f"dst-{k}")
         plain, plain_fsync, publish = (times.get(k, [float("nan")]) for k in ("plain", "plain_fsync", "publish"))
         t_sync = min(publish)

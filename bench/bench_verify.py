@@ -65,7 +65,8 @@ def run(size_gib: float = 4.0, repeat: int = 50, workdir: str | None = None) -> 
         ckpt.mkdir()
         f = ckpt / "adapter_model.safetensors"
         make_sparse_adapter(f, int(size_gib * (1 << 30)))
-        (ckpt / "adapter_config.json").write_text(json.dumps({"r": 64, "lora_alpha": 128, "target_modules": "all-linear"}))
+        cfg = {"r": 64, "lora_alpha": 128, "target_modules": "all-linear"}
+        (ckpt / "adapter_config.json").write_text(json.dumps(cfg))
         (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 100}))
         assert ck.verify(f).ok and ck.verify(ckpt, ck.LoraExpect(64, 128, ("all-linear",))).ok
         size = f.stat().st_size

@@ -91,8 +91,8 @@ def check_header(header: Any, header_len: int, file_len: int, name: str) -> tupl
         spans.append((begin, end, key))
     names = [k for k in header if k != "__metadata__"]
     if not names:
-        return [f"{name}: holds no tensors (header only, {_kb(file_len)}): the save wrote no weights; check "
-                f"the save settings (save_safetensors, mcore-bridge version); {REDO}"], []
+        return [(f"{name}: holds no tensors (header only, {_kb(file_len)}): the save wrote no weights; check "
+                 f"the save settings (save_safetensors, mcore-bridge version); {REDO}")], []
     data_len = file_len - 8 - header_len
     max_end = max((e for _, e, _ in spans), default=0)
     if max_end > data_len:
@@ -161,7 +161,7 @@ def check_adapter_config(cfg: Any, expect: LoraExpect | None, name: str) -> list
 def pick_resume(infos: Sequence[CheckpointInfo], manifests: Mapping[str, Mapping | None] | None = None,
                 recipe_hash: str | None = None, require_manifest: bool = True
                 ) -> tuple[CheckpointInfo | None, list[str]]:
-    """Newest ok checkpoint (whose manifest recipe_hash matches, when a hash is given) and why newer ones were passed over."""
+    """Newest ok checkpoint (its manifest's recipe_hash matching, when given) and why newer ones were passed over."""
     passed = []
     for info in sorted(infos, key=lambda i: i.step, reverse=True):
         name = Path(info.path).name
@@ -198,8 +198,8 @@ def read_safetensors(path: Path, name: str) -> tuple[list[str], list[str]]:
                 return [f"{name}: {size} bytes, too short for a safetensors header; {REDO}"], []
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER or n > size - 8:
-                return [f"{name}: header length {n} exceeds the file ({size} bytes): truncated or not "
-                        f"safetensors; {REDO}"], []
+                return [(f"{name}: header length {n} exceeds the file ({size} bytes): truncated or not "
+                         f"safetensors; {REDO}")], []
             header = json.loads(f.read(n))
     except (ValueError, UnicodeDecodeError) as e:
         return [f"{name}: header is not valid JSON ({e}); {REDO}"], []
@@ -240,7 +240,7 @@ def _int_file(path: Path) -> int | None:
 
 def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,
            *, backend: str | None = None) -> Verification:
-    """Verify a checkpoint dir, a `-merged` dir, a single .safetensors file, or an output_dir (its newest checkpoint)."""
+    """Verify a checkpoint dir, a `-merged` dir, a .safetensors file, or an output_dir (its newest checkpoint)."""
     p = Path(path)
     if p.is_file():
         problems, names = read_safetensors(p, p.name)
@@ -258,9 +258,9 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
     newer = any((q := CKPT_RE.fullmatch(e.name)) and int(q.group(1)) > step for e in p.parent.iterdir())
     why = completeness(backend, names, step, _link_step(p.parent), merged, newer)
     if why is not None:
-        return Verification(False, step, False, (f"{p.name}: incomplete: {why} (still being written?); wait for "
-                                                 f"the save to finish or resume from an earlier checkpoint",),
-                            path=str(p))
+        msg = (f"{p.name}: incomplete: {why} (still being written?); wait for the save to finish or resume "
+               f"from an earlier checkpoint")
+        return Verification(False, step, False, (msg,), path=str(p))
     problems: list[str] = []
     it = _int_file(p / ITER_FILE) if ITER_FILE in names else None
     if ITER_FILE in names and it is None:
@@ -342,12 +342,10 @@ def _jsonl_losses(path: Path) -> dict[int, float]:
     out: dict[int, float] = {}
     try:
         with open(path, "rb") as f:
-            for line in f:
-                if b'"loss"' not in line:
-                    continue
+            for line in (ln for ln in f if b'"loss"' in ln):
                 try:
                     rec = json.loads(line)
-                    cur = rec.get("iteration") or rec.get("global_step/max_steps")
+                    cur = rec.get("iteration") or rec["global_step/max_steps"]
                     out[int(str(cur).split("/")[0])] = float(rec["loss"])
                 except (ValueError, TypeError, KeyError, AttributeError):
                     continue
@@ -391,15 +389,8 @@ def verify_report(path: str | os.PathLike, expect: LoraExpect | None = None, ful
 def list_files(root: str | os.PathLike) -> list[str]:
     """Regular files under root (relative, sorted), without the manifest and its temp files."""
     root = Path(root)
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for fn in filenames:
-            full = Path(dirpath, fn)
-            if fn.startswith(MANIFEST) or fn.startswith("." + MANIFEST) or full.is_symlink():
-                continue
-            out.append(full.relative_to(root).as_posix())
-    return sorted(out)
+    return sorted(Path(dp, fn).relative_to(root).as_posix() for dp, _, fns in os.walk(root) for fn in fns
+                  if not fn.startswith((MANIFEST, "." + MANIFEST)) and not Path(dp, fn).is_symlink())
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
+import logging
 import math
 import os
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from orchestrator import checkpoints as ck
 
+log = logging.getLogger(__name__)
 LOCK = ".orchestrator-sync.lock"
 PARTIAL = ".partial-"
 MCORE_SHARDS = "iter_*/*.distcp"      # optimizer + mcore adapter shards; common.pt stays (resume reads it)
@@ -277,8 +279,8 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
         return _report(SyncResult(problems=(f"another sync holds {persistent / LOCK}; skipped this round",)),
                        on_problem, t0)
     except OSError as e:
-        return _report(SyncResult(problems=(f"persistent_dir {persistent} is not writable ({e.strerror or e}): "
-                                            f"check the mount, permissions and path",)), on_problem, t0)
+        msg = f"persistent_dir {persistent} is not writable ({e.strerror or e}): check the mount, permissions and path"
+        return _report(SyncResult(problems=(msg,)), on_problem, t0)
     opts = {"excludes": () if include_mcore else (MCORE_SHARDS,), "lock_fd": lock_fd, "bwlimit_kib": bwlimit_kib,
             "cancel": cancel, "margin": margin_bytes}
     copied, skipped, problems, deleted, nbytes = [], [], [], [], 0
@@ -355,8 +357,8 @@ def _report(r: SyncResult, on_problem: Callable[[str], None] | None, t0: float) 
     for p in r.problems if on_problem else ():
         try:
             on_problem(p)
-        except Exception:  # noqa: BLE001 - an alert hook must not break syncing
-            pass
+        except Exception:  # an alert hook must not break syncing
+            log.exception("on_problem hook failed")
     return replace(r, duration_s=time.monotonic() - t0)
 
 
@@ -456,8 +458,8 @@ class SyncSidecar(threading.Thread):
         for p in new if self.on_problem else ():
             try:
                 self.on_problem(p)
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception:
+                log.exception("on_problem hook failed")
         with self._cond:
             self.last_result = r
             self.bytes_total += r.bytes_copied

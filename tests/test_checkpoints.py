@@ -342,7 +342,8 @@ def test_discover_newest_being_written(tmp_path):
     make_megatron(tmp_path, 100)
     make_megatron(tmp_path, 200, config=False)
     with open(tmp_path / "logging.jsonl", "w") as f:
-        f.writelines(json.dumps({"loss": loss, "iteration": f"{it}/400"}) + "\n" for it, loss in ((99, 9.0), (100, 1.5), (150, 1.2)))
+        f.writelines(json.dumps({"loss": loss, "iteration": f"{it}/400"}) + "\n"
+                     for it, loss in ((99, 9.0), (100, 1.5), (150, 1.2)))
         f.write('{"loss": 1.25, "iteration": "100/400"}\n')  # a resume re-logs step 100: the last wins
     old, new = ck.discover(tmp_path, "megatron")
     assert old.ok and old.loss == 1.25

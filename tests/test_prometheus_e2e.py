@@ -39,7 +39,14 @@ def test_crash_loop_alert_fires_for_a_supervised_run(tmp_path: Path):
 
     sup._launch = first_launch_after_baseline
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.setdefault("code", sup.run()), daemon=True)
+
+    def run():
+        try:
+            result["code"] = sup.run()
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
     with running_prometheus(tmp_path, [target], [rules]) as base:
         thread.start()
         try:
@@ -63,4 +70,4 @@ def test_crash_loop_alert_fires_for_a_supervised_run(tmp_path: Path):
             sup.request_stop("test done")
             thread.join(60)
     assert not thread.is_alive(), "the supervisor did not stop"
-    assert result.get("code") == 0
+    assert result.get("code") == 0, result

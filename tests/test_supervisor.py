@@ -342,3 +342,37 @@ def test_spot_notice_stops_training_and_publishes_the_last_checkpoint(tmp_path):
     assert all(c["synced_at"] for c in j.checkpoints()), "the journal knows what reached persistent storage"
     j.close()
     assert not _run_processes(tmp_path / "out")
+
+
+def test_sd_notify_ready_status_watchdog_and_stopping_reach_systemd(tmp_path):
+    import socket as pysocket
+
+    sock_path = str(tmp_path / "notify.sock")
+    sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(0.5)
+    recipe = write_recipe(tmp_path, iterations=30)
+    env = {**os.environ, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "200000"}
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    messages = []
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            try:
+                messages.append(sock.recv(4096).decode())
+            except TimeoutError:
+                if p.poll() is not None:
+                    break  # exited and nothing more queued
+    finally:
+        p.wait(60)
+        sock.close()
+    assert p.returncode == 0
+    joined = "\n".join(messages)
+    assert "READY=1" in joined and "WATCHDOG=1" in joined and "STOPPING=1" in joined
+    assert any(m.startswith("STATUS=running") for m in messages)
+    assert messages.index(next(m for m in messages if "READY=1" in m)) < \
+        messages.index(next(m for m in messages if m.startswith("STATUS=running")))
+    # The trainer does not inherit the socket: only the supervisor talks to systemd.
+    log = (tmp_path / "out" / ".orchestrator" / "attempts" / "attempt-0001.log").read_text()
+    assert "NOTIFY_SOCKET" not in log
