@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import types
 from pathlib import Path
@@ -171,14 +172,18 @@ def _crash_loop(work: Path, crashes: int, earlier_checkpoints: int = 0, patch: s
     wrapper = work / "stamped_fake.py"
     wrapper.write_text(STAMPED_FAKE)
     start = earlier_checkpoints * 10
-    if start:
-        _earlier_attempt(work / "out", start, 10)
     every = save_steps + 2
     faults = ",".join(f"fla_backward_oom@{start + every * (i + 1)}" for i in range(crashes))
     sup_cfg = {"wait_s": 0, "force_wait_s": 0, "nccl_settle_s": 0, "poll_s": 0.5, "hang_timeout_s": 60,
                "startup_timeout_s": 60, "max_crashes_per_hour": 1000, "max_relaunches_without_progress": 1000}
+    # With checkpoints on disk, start-up takes 1 s: the crash then never overlaps the supervisor's first scan
+    # after its own start (which verifies and records everything on disk once); steady state is measured.
     recipe = write_recipe(work, iterations=start + every * crashes + 3, save_steps=save_steps, faults=faults,
-                          supervisor=sup_cfg, extra_env={"BENCH_EXIT_STAMPS": str(stamps), "FAKE_STEP_S": "0.02"})
+                          supervisor=sup_cfg, extra_env={"BENCH_EXIT_STAMPS": str(stamps), "FAKE_STEP_S": "0.02",
+                                                         "FAKE_STARTUP_S": "1.0" if start else "0.02"})
+    entry = f"run.entrypoint={json.dumps([sys.executable, str(wrapper)])}"
+    if start:
+        _earlier_attempt(work / "out", start, 10, recipe, entry)
     waits: list[float] = []  # the configured wait of each decision (wait_s + settle + backoff): 0 here
     decide = supmod.policy.decide
 
@@ -189,7 +194,7 @@ def _crash_loop(work: Path, crashes: int, earlier_checkpoints: int = 0, patch: s
     undo = apply_patch(patch)
     supmod.policy.decide = recording
     try:
-        code, sup = _supervise(recipe, f"run.entrypoint={json.dumps([sys.executable, str(wrapper)])}")
+        code, sup = _supervise(recipe, entry)
     finally:
         supmod.policy.decide = decide
         undo()
@@ -204,7 +209,73 @@ def _crash_loop(work: Path, crashes: int, earlier_checkpoints: int = 0, patch: s
     return detect, recover
 
 
-def bench_recovery(crashes: int, runs: int, variants: bool, earlier: int = 100,
+# A trainer that saves one checkpoint with `size` bytes of optimizer state and crashes (fla_backward_oom
+# text, exit 1) 0.3 s after the save; the second attempt finishes. The save is written under a staging
+# name and renamed, so the supervisor never sees it half-written.
+BIG_SAVE = textwrap.dedent('''\
+    import json, os, sys, time
+    from pathlib import Path
+    sys.path.insert(0, os.environ["BENCH_DIR"])
+    from bench_sync import make_checkpoint
+    out, size, m = Path.cwd(), int(os.environ["BENCH_CKPT_BYTES"]), 20
+    counter = Path(os.environ["BENCH_COUNTER"])
+    n = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(n))
+    def step(k):
+        print(str({"loss": "1.234", "grad_norm": "0.5", "learning_rate": "1e-04",
+                   "global_step/max_steps": f"{k}/{m}"}), flush=True)
+        with open("logging.jsonl", "a") as f:
+            f.write(json.dumps({"loss": 1.234, "global_step/max_steps": f"{k}/{m}"}) + "\\n")
+    if n == 1:
+        for k in range(1, 11):
+            step(k)
+            time.sleep(0.05)
+        make_checkpoint(out / ".staging", 10, size)
+        os.rename(out / ".staging" / "checkpoint-10", out / "checkpoint-10")
+        step(11)
+        time.sleep(0.3)
+        sys.stderr.write(open(os.environ["BENCH_CRASH_TEXT"]).read())
+        sys.stderr.flush()
+        with open(os.environ["BENCH_EXIT_STAMPS"], "a") as f:
+            f.write(f"{time.time()!r}\\n")
+        os._exit(1)
+    for k in range(11, m + 1):
+        step(k)
+    with open("logging.jsonl", "a") as f:
+        f.write(json.dumps({"last_model_checkpoint": str(out / "checkpoint-10")}) + "\\n")
+    ''')
+
+
+def _big_save_crash(work: Path, size: int, patch: str = "") -> float:
+    """Exit detection when the crash comes right after a checkpoint of `size` bytes: exit -> left RUNNING."""
+    import crash_texts
+    from orchestrator.types import CrashClass
+    work.mkdir(parents=True)
+    (work / "trainer.py").write_text(BIG_SAVE)
+    (work / "crash.txt").write_text(crash_texts.text(CrashClass.FLA_BACKWARD_OOM, step=11, nranks=1, port=29500,
+                                                     backend="swift"))
+    stamps = work / "exit-stamps.txt"
+    recipe = write_recipe(work, backend="swift", persistent=False, supervisor={
+        "wait_s": 0, "force_wait_s": 0, "poll_s": 0.5, "hang_timeout_s": 120, "startup_timeout_s": 120},
+        extra_env={"BENCH_DIR": str(Path(__file__).resolve().parent), "BENCH_CKPT_BYTES": str(size),
+                   "BENCH_COUNTER": str(work / "attempts.txt"), "BENCH_CRASH_TEXT": str(work / "crash.txt"),
+                   "BENCH_EXIT_STAMPS": str(stamps)})
+    undo = apply_patch(patch)
+    try:
+        code, sup = _supervise(recipe, f"run.entrypoint={json.dumps([sys.executable, str(work / 'trainer.py')])}",
+                               "lora.rank=64", "lora.alpha=128")  # bench_sync.make_checkpoint's adapter
+    finally:
+        undo()
+    assert code == ExitCode.OK, (code, sup.exit_reason)
+    evs = events(work / "out")
+    noticed = [e["at"] for e in evs if e["kind"] == "state" and e["message"] == "running -> crashed"]
+    verified = [e for e in evs if e["kind"] == "checkpoint"]
+    assert len(noticed) == 1 and verified, (noticed, verified)
+    shutil.rmtree(work / "out", ignore_errors=True)
+    return noticed[0] - float(stamps.read_text().split()[0])
+
+
+def bench_recovery(crashes: int, runs: int, variants: bool, earlier: int = 100, big_save_mib: int = 1024,
                    workdir: str | None = None) -> list[dict]:
     cases = [("", 0, "")]
     if variants:
@@ -226,6 +297,12 @@ def bench_recovery(crashes: int, runs: int, variants: bool, earlier: int = 100,
                           "target": f"<= {target:g}", "pass": _median(xs) <= target},
                          {"name": f"{what}{label} (max)", "measured": round(max(xs), 4), "unit": "s",
                           "target": f"<= {target:g}", "pass": max(xs) <= target}]
+        if variants:  # the crash comes 0.3 s after a save: the scan that verifies it also hashes all of it
+            for label, patch in (("", ""), (", FIX manifest_thread", "manifest_thread")):
+                xs = [_big_save_crash(Path(tmp) / f"big{patch}{i}", big_save_mib << 20, patch) for i in range(runs + 1)]
+                rows.append({"name": f"exit detection: crash 0.3 s after a {big_save_mib} MiB save{label} "
+                                     f"(median of {len(xs)})", "measured": round(_median(xs), 4), "unit": "s",
+                             "target": f"<= {EXIT_TARGET_S:g}", "pass": _median(xs) <= EXIT_TARGET_S})
     return rows
 
 
@@ -233,8 +310,10 @@ def bench_recovery(crashes: int, runs: int, variants: bool, earlier: int = 100,
 
 # "What if" changes to the supervisor, measured without editing orchestrator/ (see README):
 #   NAME=VALUE     a module constant of orchestrator.supervisor, e.g. CHECKPOINT_SCAN_S=30
-#   scan_unseen    the proposed fix: Supervisor._scan_checkpoints verifies only checkpoint dirs it has
-#                  not recorded yet (today every scan re-verifies every checkpoint on disk)
+#   scan_unseen    Supervisor._scan_checkpoints verifies only checkpoint dirs it has not recorded yet
+#                  (today every scan, every 2 s, re-verifies every checkpoint on disk)
+#   manifest_thread  the scan hands write_manifest (sha256 of the whole checkpoint) to a thread
+#                  (today the main loop hashes it: no exit, hang or stop is noticed meanwhile)
 
 def _discover_unseen(sup, ck):
     """checkpoints.discover() restricted to checkpoint dirs `sup` has not recorded yet (same body)."""
@@ -260,33 +339,54 @@ def _discover_unseen(sup, ck):
     return discover
 
 
-def apply_patch(spec: str):
-    """Apply comma-separated changes to orchestrator.supervisor; returns the undo."""
-    from orchestrator import checkpoints
-    undo = []
-    for item in filter(None, spec.split(",")):
-        if item == "scan_unseen":
-            scan = supmod.Supervisor._scan_checkpoints
+_MANIFEST_THREADS: list[threading.Thread] = []
 
-            def _scan_checkpoints(self, now, scan=scan):
-                proxy = types.SimpleNamespace(**vars(checkpoints))
-                proxy.discover = _discover_unseen(self, checkpoints)
-                supmod.checkpoints = proxy  # the main loop only: the sync thread holds its own reference
-                try:
-                    return scan(self, now)
-                finally:
-                    supmod.checkpoints = checkpoints
-            supmod.Supervisor._scan_checkpoints = _scan_checkpoints
-            undo.append(lambda scan=scan: setattr(supmod.Supervisor, "_scan_checkpoints", scan))
+
+def _manifest_in_thread(ck):
+    """write_manifest handed to a background thread: the main loop does not hash the checkpoint."""
+    def write_manifest(*a, **k):
+        t = threading.Thread(target=ck.write_manifest, args=a, kwargs=k, name="manifest", daemon=True)
+        _MANIFEST_THREADS.append(t)
+        t.start()
+    return write_manifest
+
+
+def apply_patch(spec: str):
+    """Apply comma-separated changes to orchestrator.supervisor; returns the undo. Fixes of the checkpoint
+    scan (scan_unseen, manifest_thread) act through a stand-in for the `checkpoints` module that only
+    Supervisor._scan_checkpoints sees (the sync thread keeps the real one)."""
+    from orchestrator import checkpoints
+    undo, fixes = [], []
+    for item in filter(None, spec.split(",")):
+        if item in ("scan_unseen", "manifest_thread"):
+            fixes.append(item)
         else:
             k, _, v = item.partition("=")
             old = getattr(supmod, k)
             setattr(supmod, k, type(old)(v))
             undo.append(lambda k=k, old=old: setattr(supmod, k, old))
+    if fixes:
+        scan = supmod.Supervisor._scan_checkpoints
+
+        def _scan_checkpoints(self, now):
+            proxy = types.SimpleNamespace(**vars(checkpoints))
+            if "scan_unseen" in fixes:
+                proxy.discover = _discover_unseen(self, checkpoints)
+            if "manifest_thread" in fixes:
+                proxy.write_manifest = _manifest_in_thread(checkpoints)
+            supmod.checkpoints = proxy
+            try:
+                return scan(self, now)
+            finally:
+                supmod.checkpoints = checkpoints
+        supmod.Supervisor._scan_checkpoints = _scan_checkpoints
+        undo.append(lambda: setattr(supmod.Supervisor, "_scan_checkpoints", scan))
 
     def restore() -> None:
         for u in reversed(undo):
             u()
+        while _MANIFEST_THREADS:
+            _MANIFEST_THREADS.pop().join()
     return restore
 
 
@@ -302,12 +402,18 @@ VARIANT = textwrap.dedent(f'''\
     ''')
 
 
-def _earlier_attempt(out: Path, steps: int, save_steps: int) -> None:
-    """Checkpoints left on disk by an earlier attempt (the fake trainer run directly, at full speed)."""
+def _earlier_attempt(out: Path, steps: int, save_steps: int, recipe: Path, *overrides: str) -> None:
+    """Checkpoints left by an earlier attempt under an earlier supervisor: the fake trainer run directly at
+    full speed, then each checkpoint given the manifest that supervisor would have written."""
+    from orchestrator import checkpoints
+    from orchestrator.recipe import recipe_hash
     env = {**os.environ, "FAKE_STEP_S": "0", "FAKE_STARTUP_S": "0"}
     subprocess.run([sys.executable, FAKE, "sft", "--output_dir", str(out), "--train_iters", str(steps),
                     "--save_steps", str(save_steps), "--logging_steps", "1"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    h = recipe_hash(load(recipe, list(overrides)))
+    for info in checkpoints.discover(out, "megatron"):
+        checkpoints.write_manifest(info.path, info.step, h, info.loss)
 
 
 def _footprint(work: Path, steps: int, settle_s: float, patch: str = "", poll_s: float = 0.5,
@@ -318,11 +424,11 @@ def _footprint(work: Path, steps: int, settle_s: float, patch: str = "", poll_s:
     work.mkdir(parents=True)
     save_steps = 10
     start = earlier_checkpoints * save_steps
-    if start:
-        _earlier_attempt(work / "out", start, save_steps)
     recipe = write_recipe(work, iterations=start + steps, save_steps=save_steps, persistent=True, extra_env={
         "FAKE_STEP_S": "1", "FAKE_STARTUP_S": "0.5"}, supervisor={
         "poll_s": poll_s, "hang_timeout_s": 120, "startup_timeout_s": 120, "wait_s": 0, "force_wait_s": 0})
+    if start:
+        _earlier_attempt(work / "out", start, save_steps, recipe)
     if patch:
         variant = work / "variant.py"
         variant.write_text(VARIANT)

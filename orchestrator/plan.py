@@ -74,7 +74,8 @@ def check_gpus(r: Recipe, snap: GpuSnapshot) -> Check:
     if not r.gpu.check:
         return Check("gpus", True, "GPU checks disabled (gpu.check = false)", fatal=False)
     if snap.error:
-        return Check("gpus", False, f"cannot read GPUs: {snap.error} (no NVIDIA driver on this machine?)")
+        return Check("gpus", False, f"cannot read GPUs: {snap.error} (no NVIDIA driver on this machine? "
+                                    "set gpu.check = false for a CPU run)")
     n = len(snap.gpus)
     want = r.parallel.nproc_per_node
     return Check("gpus", n >= want, f"NVML sees {n} GPU(s), recipe needs nproc_per_node = {want}")

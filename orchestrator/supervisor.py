@@ -72,6 +72,9 @@ class Supervisor:
         self.poisoned_from: int | None = None
         self.metrics_port: int | None = None
         self.last_scan = 0.0
+        self.journal: Journal | None = None   # set in preflight, with the lock and the sync sidecar
+        self.sidecar: Sidecar | None = None
+        self.lock: RunLock | None = None
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda s, _f: self.request_stop(f"signal {signal.Signals(s).name}"))
@@ -126,14 +129,15 @@ class Supervisor:
         self.out = Path(r.run.output_dir)
         self.state_dir = state_dir(self.out)
         self.run_id = run_id(self.out)
-        self.lock = RunLock(self.out)
-        self.lock.acquire()
+        lock = RunLock(self.out)
+        lock.acquire()  # raises when another supervisor runs this directory
+        self.lock = lock
         self.journal = Journal(journal_path(self.state_dir))
         if placement.note:
             self.journal.event("drift", placement.note, keys=list(placement.drifted_keys))
         self.journal.put(recipe_hash=self.hash, semantic_view=semantic_view(r), run=r.run.name,
                          backend=r.run.backend, output_dir=str(self.out), supervisor_pid=os.getpid())
-        failed = [c for c in plan.preflight(r, self.gpus.snapshot()) if not c.ok and c.fatal and c.name != "gpus"]
+        failed = [c for c in plan.preflight(r, self.gpus.snapshot()) if not c.ok and c.fatal]
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
@@ -408,7 +412,10 @@ class Supervisor:
         self.hang_at = None
 
     def _shutdown(self) -> None:
-        if not hasattr(self, "journal"):
+        if self.lock and not self.sidecar:  # pre-flight failed after taking the lock: nothing ran
+            self.journal.close()
+            self.lock.release()
+        if not self.sidecar:
             return
         if self.state is State.COMPLETED:
             self._scan_checkpoints(self.clock())

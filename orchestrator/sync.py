@@ -27,6 +27,7 @@ LOCK = ".orchestrator-sync.lock"
 PARTIAL = ".partial-"
 MCORE_SHARDS = "iter_*/*.distcp"      # optimizer + mcore adapter shards; common.pt stays (resume reads it)
 GIB = 1 << 30
+CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,12 @@ def filter_manifest(manifest: Mapping, excludes: tuple[str, ...]) -> dict:
 
 
 def same_content(a: Mapping | None, b: Mapping | None) -> bool:
-    key = lambda m: (m.get("step"), [(f["path"], f["size"], f["sha256"]) for f in m.get("files", [])])
-    return a is not None and b is not None and key(a) == key(b)
+    """Same step and files (path, size, sha256); a missing or malformed manifest never matches."""
+    try:
+        key = [(m["step"], [(f["path"], f["size"], f["sha256"]) for f in m["files"]]) for m in (a, b)]
+    except (KeyError, TypeError):
+        return False
+    return key[0] == key[1]
 
 
 def space_problem(persistent: Path, free: int, need: int) -> str:
@@ -214,6 +219,8 @@ def _publish(src: Path, persistent: Path, manifest: dict, link_dest: Path | None
             return 0, space_problem(persistent, free, need)
         n = _copy(src, staging, link_dest, opts["excludes"], opts["lock_fd"], opts["bwlimit_kib"], opts["cancel"])
     except OSError as e:
+        if opts["cancel"] is not None and opts["cancel"].is_set():
+            return 0, CANCELLED  # the staging dir stays: the next round resumes it
         if not src.exists() or "No space left" in str(e) or getattr(e, "errno", None) == 28:
             shutil.rmtree(staging, ignore_errors=True)  # nothing to resume, or the space is needed back
         gone = " (deleted locally during the copy: save_total_limit rotation?)" if not src.exists() else ""
@@ -317,7 +324,9 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                 if why and why.startswith("persistent_dir") and _prune_for_space(persistent, pub, wanted, deleted):
                     n, why = _publish(src, persistent, m, link, opts)
                 nbytes += n
-                if why:
+                if why == CANCELLED:
+                    skipped.append(f"{src.name}: cancelled by stop()")
+                elif why:
                     problems.append(why)
                 else:
                     copied.append(src.name)
@@ -374,7 +383,10 @@ def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, st
     step = steps[-1] if step is None and steps else step
     if step not in steps:
         raise SyncError(f"no published checkpoint-{step} in {persistent} (published: {steps})")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SyncError(f"cannot create output_dir {out}: {e.strerror or e}") from e
     names = [f"checkpoint-{step}"] + ([f"checkpoint-{step}-merged"] if include_merged
                                       and f"checkpoint-{step}-merged" in pub else [])
     for name in names:
@@ -388,15 +400,20 @@ def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, st
         need, free = sum(f["size"] for f in m["files"]), shutil.disk_usage(out).free
         if free < need:
             raise SyncError(f"output_dir {out} has {free / GIB:.1f} GiB free, needs {need / GIB:.1f} GiB")
-        _copy(persistent / name, staging, None, (), None, None, None)
-        bad = _check_copy(staging, m)
+        try:
+            _copy(persistent / name, staging, None, (), None, None, None)
+            bad = _check_copy(staging, m)
+            if not bad:
+                ck.write_json_atomic(staging / ck.MANIFEST, m)
+                os.rename(staging, final)
+                ck.fsync_dir(out)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise SyncError(f"restoring {name} from {persistent} into {out} failed: {e}") from e
         if bad:
             shutil.rmtree(staging, ignore_errors=True)
             raise SyncError(f"restored copy of {name} does not match its manifest ({bad[0]}): the published "
                             f"copy is damaged; restore an older step")
-        ck.write_json_atomic(staging / ck.MANIFEST, m)
-        os.rename(staging, final)
-        ck.fsync_dir(out)
     return out / names[0]
 
 

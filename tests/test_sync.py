@@ -371,3 +371,50 @@ def test_manifest_json_is_what_we_expect(tmp_path):
     assert set(m) >= {"step", "recipe_hash", "created_at", "loss", "files"} and m["loss"] == 0.75
     assert all(set(f) == {"path", "size", "sha256"} for f in m["files"])
     assert (pers / sync.LOCK).exists()  # the lock file stays; it is never a checkpoint
+
+
+@needs_rsync
+def test_sidecar_stop_cancels_a_long_copy(tmp_path):
+    out, pers = tmp_path / "out", tmp_path / "pers"
+    make_swift(out, 10, big=8 << 20)  # ~8 s at 1 MiB/s
+    alerts = []
+    car = sync.SyncSidecar(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append, bwlimit_kib=1024)
+    car.start()
+    staging = pers / ".partial-checkpoint-10"
+    deadline = time.monotonic() + 30
+    while not staging.exists():
+        assert time.monotonic() < deadline and car.rounds == 0
+        time.sleep(0.02)
+    t = time.monotonic()
+    car.stop(timeout=30, cancel=True)
+    assert not car.is_alive() and time.monotonic() - t < 5
+    assert car.last_result.skipped == ("checkpoint-10: cancelled by stop()",) and alerts == []
+    assert published(pers) == [".partial-checkpoint-10"]  # kept for the next round to resume
+
+
+@pytest.mark.parametrize("a,b,same", [
+    ({"step": 1, "files": [{"path": "x", "size": 1, "sha256": "a"}]},
+     {"step": 1, "files": [{"path": "x", "size": 1, "sha256": "a"}], "created_at": 5, "loss": 2}, True),
+    ({"step": 1, "files": [{"path": "x", "size": 1, "sha256": "a"}]},
+     {"step": 1, "files": [{"path": "x", "size": 1, "sha256": "b"}]}, False),
+    ({"step": 1, "files": []}, {"step": 2, "files": []}, False),
+    ({"step": 1, "files": []}, None, False),
+    ({"step": 1, "files": [{"path": "x"}]}, {"step": 1, "files": [{"path": "x"}]}, False),
+])
+def test_same_content_table(a, b, same):
+    assert sync.same_content(a, b) is same
+
+
+def test_restore_failures_are_sync_errors(tmp_path):
+    out, pers = tmp_path / "out", tmp_path / "pers"
+    make_swift(out, 10)
+    sync.sync_once(out, pers, "swift", "h")
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    with pytest.raises(sync.SyncError, match="cannot create output_dir"):
+        sync.restore(pers, blocker / "out", 10)
+    with pytest.raises(sync.SyncError, match="cannot read persistent_dir"):
+        sync.restore(tmp_path / "missing", tmp_path / "o", 10)
+    (pers / "checkpoint-10" / ck.MANIFEST).unlink()
+    with pytest.raises(sync.SyncError, match="cannot be verified"):
+        sync.restore(pers, tmp_path / "o", 10)
