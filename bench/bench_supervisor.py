@@ -119,13 +119,13 @@ def _supervised(script: Path, work: Path, lines: int, timing: Path, poll_s: floa
     env = {"BENCH_LINES": str(lines), "BENCH_TIMING": str(timing)}
     recipe = write_recipe(run_dir, persistent=False, extra_env=env, supervisor={
         "poll_s": poll_s, "hang_timeout_s": 600, "startup_timeout_s": 600, "wait_s": 0, "force_wait_s": 0})
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     code, sup = _supervise(recipe, f"run.entrypoint={json.dumps([sys.executable, str(script)])}")
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     assert code == ExitCode.OK and sup.state.value == "completed", (code, sup.state, sup.exit_reason)
     a = sup.attempt
     size = a.launched.log_path.stat().st_size
-    info = {"read_frac": a.log.pos / size if size else 1.0, "last_step": a.last.step if a.last else None}
+    info = {"read_frac": a.log.pos / size if size else 1.0, "cpu_s": cpu}
     shutil.rmtree(run_dir, ignore_errors=True)
     return float(timing.read_text().split()[-1]), wall, info
 
@@ -155,6 +155,9 @@ def bench_passthrough(lines: int, repeat: int, poll_s: float = 0.5, workdir: str
          "target": f">= {RATIO_TARGET:g}", "pass": ratio >= RATIO_TARGET},
         {"name": "pass-through: supervisor launch -> completed, wall (median)", "measured": round(_median(walls), 3),
          "unit": "s", "target": "-", "pass": True},
+        {"name": "pass-through: supervisor CPU while tailing it, per wall second (median)",
+         "measured": round(_median([i["cpu_s"] / w for i, w in zip(infos, walls)]), 3), "unit": "x", "target": "-",
+         "pass": True},
         {"name": "pass-through: share of the log the supervisor had read at completion (min)",
          "measured": round(100 * read, 1), "unit": "%", "target": "-", "pass": True},
     ]

@@ -81,7 +81,7 @@ def supervise(r: Recipe, on_start=None) -> ExitCode:
     from orchestrator.report import summary
     from orchestrator.supervisor import Supervisor
 
-    sup = Supervisor(r)
+    sup = Supervisor(r, echo=lambda line: click.echo(line, err=True))
     if on_start:
         on_start(sup)
     try:

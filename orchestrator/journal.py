@@ -35,8 +35,9 @@ def journal_path(state_dir: Path) -> Path:
 
 
 class Journal:
-    def __init__(self, path: Path, readonly: bool = False):
+    def __init__(self, path: Path, readonly: bool = False, echo=None):
         self.path = path
+        self.echo = echo  # called with each event line (the supervisor's console narration)
         if readonly:
             self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10, check_same_thread=False)
         else:
@@ -74,8 +75,11 @@ class Journal:
 
     # --- events
     def event(self, kind: str, message: str, **data) -> None:
+        now = time.time()
         self.db.execute("INSERT INTO events (at, kind, message, data) VALUES (?, ?, ?, ?)",
-                        (time.time(), kind, message, json.dumps(data, default=str)))
+                        (now, kind, message, json.dumps(data, default=str)))
+        if self.echo:
+            self.echo(f"{time.strftime('%H:%M:%S', time.localtime(now))} {kind}: {message}")
 
     def events(self, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT at, kind, message, data FROM events ORDER BY id DESC LIMIT ?", (limit,))

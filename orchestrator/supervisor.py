@@ -42,12 +42,15 @@ from orchestrator.watch import AttemptWatch
 
 CHECKPOINT_SCAN_S = 2.0
 GOODPUT_EVERY_S = 10.0
+ECHO_PROGRESS_S = 10.0
 
 
 class Supervisor:
     def __init__(self, recipe: Recipe, *, gpu_reader: gpu.GpuReader | None = None, clock=time.time,
-                 install_signals: bool = True):
-        self.recipe, self.clock = recipe, clock
+                 install_signals: bool = True, echo=None):
+        """`echo`: a callable for one-line narration (events, progress) on the console."""
+        self.recipe, self.clock, self.echo = recipe, clock, echo
+        self.echoed_at = 0.0
         self.hash = recipe_hash(recipe)
         self.gpus = gpu_reader or gpu.reader(recipe.gpu.check)
         self.stop_event = threading.Event()
@@ -132,7 +135,7 @@ class Supervisor:
         lock = RunLock(self.out)
         lock.acquire()  # raises when another supervisor runs this directory
         self.lock = lock
-        self.journal = Journal(journal_path(self.state_dir))
+        self.journal = Journal(journal_path(self.state_dir), echo=self.echo)
         if placement.note:
             self.journal.event("drift", placement.note, keys=list(placement.drifted_keys))
         self.journal.put(recipe_hash=self.hash, semantic_view=semantic_view(r), run=r.run.name,
@@ -222,6 +225,10 @@ class Supervisor:
         now = self.clock()
         for p in a.gather(now):
             self.metrics.observe_progress(p)
+        if self.echo and a.last and now - self.echoed_at >= ECHO_PROGRESS_S:
+            self.echoed_at = now
+            loss = f" loss {a.last.loss:.4g}" if a.last.loss is not None else ""
+            self.echo(f"{time.strftime('%H:%M:%S')} progress: step {a.last.step}/{a.last.max_steps}{loss}")
         self._scan_checkpoints(now)
         self._pass_done()
         if a.launched.exited.is_set():
