@@ -30,6 +30,21 @@ CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
+def _reader(path: Path) -> sqlite3.Connection:
+    """A reader for status/history. A WAL reader needs the -shm file, which a strictly read-only
+    connection cannot create after the writer closed; so open read-write but query-only, and fall
+    back to read-only where the directory is not ours to write."""
+    if not path.exists():
+        raise FileNotFoundError(path)
+    try:
+        db = sqlite3.connect(path, timeout=10, check_same_thread=False)
+        db.execute("PRAGMA query_only = 1")
+        db.execute("SELECT 1 FROM sqlite_master LIMIT 1")
+        return db
+    except sqlite3.OperationalError:
+        return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10, check_same_thread=False)
+
+
 def journal_path(state_dir: Path) -> Path:
     return state_dir / "journal.sqlite"
 
@@ -39,7 +54,7 @@ class Journal:
         self.path = path
         self.echo = echo  # called with each event line (the supervisor's console narration)
         if readonly:
-            self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10, check_same_thread=False)
+            self.db = _reader(path)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None)

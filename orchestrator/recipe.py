@@ -35,6 +35,11 @@ class RunSection(_Section):
     entrypoint: list[str] | None = None  # replaces the trainer executable (numactl, srun, tests)
     on_drift: Literal["fresh", "refuse", "resume"] = "fresh"
 
+    @field_validator("persistent_dir")
+    @classmethod
+    def _no_sync(cls, v: str | None) -> str | None:
+        return v or None  # "" (e.g. --set run.persistent_dir="") turns sync off, never "the current directory"
+
 
 class ModelSection(_Section):
     path: str
