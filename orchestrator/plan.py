@@ -31,15 +31,22 @@ def first_free_port(lo: int, hi: int, avoid: set[int] = frozenset()) -> int | No
     return next((p for p in range(lo, hi + 1) if p not in avoid and port_free(p)), None)
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # ENAMETOOLONG, EACCES: treat as absent, the check then says what is missing
+        return False
+
+
 def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
+    while not _exists(path) and path != path.parent:
         path = path.parent
     return path
 
 
 def check_model(r: Recipe) -> Check:
     d = Path(r.model.path)
-    if not (d / "config.json").is_file():
+    if not _exists(d / "config.json") or not (d / "config.json").is_file():
         return Check("model", False, f"{d}: no config.json (model.path must be a local HF model directory)")
     weights = list(d.glob("*.safetensors"))
     if not weights:
@@ -49,7 +56,7 @@ def check_model(r: Recipe) -> Check:
 
 def check_data(r: Recipe) -> Check:
     local = [p for p in r.data.dataset + r.data.val_dataset if p.startswith("/")]
-    missing = [p for p in local if not Path(p.split("#")[0]).exists()]
+    missing = [p for p in local if not _exists(Path(p.split("#")[0]))]
     if missing:
         return Check("dataset", False, f"missing: {', '.join(missing)}")
     remote = len(r.data.dataset + r.data.val_dataset) - len(local)

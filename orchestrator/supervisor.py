@@ -72,7 +72,6 @@ class Supervisor:
         self.spot = spot_notice(recipe.supervisor)
         self.hang_at: float | None = None
         self.goodput_at = 0.0
-        self.poisoned_from: int | None = None
         self.metrics_port: int | None = None
         self.last_scan = 0.0
         self.journal: Journal | None = None   # set in preflight, with the lock and the sync sidecar
@@ -145,7 +144,6 @@ class Supervisor:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
         self.attempts = len(self.journal.attempts())
-        self.poisoned_from = self.journal.get_all().get("poisoned_from")
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:
@@ -206,12 +204,16 @@ class Supervisor:
         self.attempts += 1
         cmd = render_command(r, resume, self.port)
         log = self.state_dir / "attempts" / f"attempt-{self.attempts:04d}.log"
+        # The row first: a supervisor killed right after the launch leaves a row its successor closes.
+        self._record(Attempt(self.attempts, now, port=self.port, resumed_from=resume.path if resume else None,
+                             log_path=str(log), start_step=resume.step if resume else 0))
         launched = launcher.launch(cmd, log, self.run_id, cwd=str(self.out))
+        self._record(replace(self._current, pid=launched.pid, pid_start_time=launched.create_time))
         self.attempt = AttemptWatch.start(self.attempts, launched, self.port, resume, self.out)
         self.good_step_at_launch = resume.step if resume else -1
-        self._record(Attempt(self.attempts, now, port=self.port, pid=launched.pid, pid_start_time=launched.create_time,
-                             resumed_from=resume.path if resume else None, log_path=str(log),
-                             start_step=resume.step if resume else 0))
+        # The new attempt rewrites any checkpoint after its resume point: verify those afresh.
+        self.seen_checkpoints = {p: ok for p, ok in self.seen_checkpoints.items()
+                                 if _step(p) <= self.good_step_at_launch}
         self.journal.event("launch", f"attempt {self.attempts} pid {launched.pid} port {self.port}"
                            + (f" resuming from {resume.path}" if resume else " fresh"), argv=list(cmd.argv))
         if self.attempts > 1:
@@ -237,10 +239,6 @@ class Supervisor:
         if self.stop_event.is_set():
             return State.STOPPING
         if a.bad:
-            # A checkpoint from the NaN step on (a save on the SIGTERM that stops this attempt, say)
-            # may hold poisoned weights: never resume from it.
-            self.poisoned_from = min(self.poisoned_from or a.bad_step, a.bad_step)
-            self.journal.put(poisoned_from=self.poisoned_from)
             return self._crashed(Crash(CrashClass.NAN_LOSS, a.bad, Phase.TRAINING))
         divergence = self._resume_divergence()
         if divergence:
@@ -286,6 +284,8 @@ class Supervisor:
         if killed:
             self.journal.event("cleanup", f"SIGKILLed {len(killed)} process(es) that ignored SIGTERM", pids=killed)
         self._finish_attempt(self.crash)
+        if self.crash.cls is CrashClass.NAN_LOSS and self.attempt.bad_step is not None:
+            self._quarantine(self.attempt.bad_step)
         self.journal.span(started, self.clock(), "cleanup")
         if self.decision.action is Action.GIVE_UP:
             self.exit_reason = self.decision.reason
@@ -349,12 +349,6 @@ class Supervisor:
 
     def _resume_point(self) -> Resume | None:
         infos = checkpoints.discover(self.out, self.recipe.run.backend, self._lora_expect())
-        if self.poisoned_from is not None:
-            for i in infos:
-                if i.step >= self.poisoned_from:
-                    self.journal.event("resume_skip", f"{Path(i.path).name}: written at or after the NaN at step "
-                                       f"{self.poisoned_from}")
-            infos = [i for i in infos if i.step < self.poisoned_from]
         manifests = {i.path: checkpoints.read_manifest(i.path) for i in infos}
         best, passed = checkpoints.pick_resume(infos, manifests, self.hash, require_manifest=False)
         for why in passed:
@@ -391,8 +385,19 @@ class Supervisor:
                 self.journal.event("checkpoint_invalid", f"{Path(info.path).name}: " + "; ".join(info.problems))
 
     def _newest_good_step(self) -> int:
-        good = [int(Path(p).name.split("-")[1]) for p, ok in self.seen_checkpoints.items() if ok]
-        return max(good, default=-1)
+        return max((_step(p) for p, ok in self.seen_checkpoints.items() if ok), default=-1)
+
+    def _quarantine(self, nan_step: int) -> None:
+        """Checkpoints from the NaN step on (a save on the SIGTERM that stopped the attempt, say) may
+        hold poisoned weights: move them out of the resume path, keeping the data for a person."""
+        for d in sorted(self.out.glob("checkpoint-*")):
+            m = re.fullmatch(r"checkpoint-(\d+)(-merged)?", d.name)
+            if m and int(m.group(1)) >= nan_step:
+                target = d.with_name(f"{d.name}.nan-attempt-{self.attempt.n}")
+                d.rename(target)
+                self.seen_checkpoints.pop(str(d), None)
+                self.journal.event("quarantine", f"{d.name} was written at or after the NaN at step {nan_step}: "
+                                   f"moved to {target.name}, never resumed from")
 
     def _resume_divergence(self) -> str | None:
         a = self.attempt
@@ -446,3 +451,7 @@ def _mtime(path: str, default: float) -> float:
         return Path(path).stat().st_mtime
     except OSError:
         return default
+
+
+def _step(checkpoint_path: str) -> int:
+    return int(Path(checkpoint_path).name.split("-")[1])

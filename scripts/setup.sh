@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # torch first, alone: the CPU build (2.13.0+cpu). Elsewhere set PIP_EXTRA_INDEX_URL to the PyTorch CPU index.
-.venv/bin/python -c 'import torch' 2>/dev/null || pip install torch==2.13.0
+.venv/bin/python -c 'import torch' 2>/dev/null || pip install "torch==2.13.0+cpu"
 extras=swift
 [ $want_test = 1 ] && extras=swift,test
 pip install -e ".[$extras]" -c constraints/swift-cpu.txt
