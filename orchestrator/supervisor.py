@@ -137,8 +137,6 @@ class Supervisor:
         self.journal = Journal(journal_path(self.state_dir), echo=self.echo)
         if placement.note:
             self.journal.event("drift", placement.note, keys=list(placement.drifted_keys))
-        self.journal.put(recipe_hash=self.hash, semantic_view=semantic_view(r), run=r.run.name,
-                         backend=r.run.backend, output_dir=str(self.out), supervisor_pid=os.getpid())
         failed = [c for c in plan.preflight(r, self.gpus.snapshot()) if not c.ok and c.fatal]
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
@@ -151,9 +149,15 @@ class Supervisor:
                 self.journal.put(metrics_port=self.metrics_port)
             except OSError as e:  # a taken metrics port must not cost the run; the down alert will show it
                 self.journal.event("metrics", f"cannot listen on {r.metrics.listen}: {e}")
+        previous = self.journal.get_all()
+        self.journal.put(recipe_hash=self.hash, semantic_view=semantic_view(r), run=r.run.name,
+                         backend=r.run.backend, output_dir=str(self.out), supervisor_pid=os.getpid())
         self.sidecar = Sidecar(r, self.hash, self.journal, self.metrics)
         self.sidecar.start()
         self.notifier.ready(f"preflight ok, recipe {self.hash[:12]}")
+        if previous.get("state") == State.COMPLETED.value and previous.get("recipe_hash") == self.hash:
+            self.journal.event("complete", "this run already completed: nothing to launch (final sync only)")
+            return State.COMPLETED
         return State.VERIFYING
 
     def _stop_predecessor(self) -> None:
@@ -429,7 +433,7 @@ class Supervisor:
             self.lock.release()
         if not self.sidecar:
             return
-        if self.state is State.COMPLETED:
+        if self.state is State.COMPLETED and self.attempt:
             self._scan_checkpoints(self.clock())
             self._finish_attempt(Crash(CrashClass.OTHER), stopped=True)
         if self.state is State.GAVE_UP:

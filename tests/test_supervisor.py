@@ -376,3 +376,12 @@ def test_sd_notify_ready_status_watchdog_and_stopping_reach_systemd(tmp_path):
     # The trainer does not inherit the socket: only the supervisor talks to systemd.
     log = (tmp_path / "out" / ".orchestrator" / "attempts" / "attempt-0001.log").read_text()
     assert "NOTIFY_SOCKET" not in log
+
+
+def test_a_completed_run_is_not_launched_again(tmp_path):
+    recipe = write_recipe(tmp_path, iterations=20)
+    assert supervise(recipe)[0] == ExitCode.OK
+    code, sup = supervise(recipe)
+    assert code == ExitCode.OK and sup.state.value == "completed"
+    assert len(attempts(tmp_path / "out")) == 1
+    assert events(tmp_path / "out", "complete")
