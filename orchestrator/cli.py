@@ -234,7 +234,7 @@ def sync(recipe: Path, overrides: tuple[str, ...], once: bool, as_json: bool) ->
 @main.command()
 @RECIPE
 @SET
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="HTML file (default: <run>/report.html).")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="HTML file (default: <output_dir>/.orchestrator/report.html).")
 def report(recipe: Path, overrides: tuple[str, ...], output: Path | None) -> None:
     """Write a self-contained HTML report: loss curve, crashes and restarts, goodput."""
     from orchestrator.report import write_html

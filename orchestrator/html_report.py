@@ -7,12 +7,13 @@ from __future__ import annotations
 import html
 import math
 import time
+from pathlib import Path
 
 from orchestrator.goodput import LOST_CAUSES
 
 MAX_POINTS = 20_000  # beyond this the loss polyline is thinned (a browser copes, a reader cannot tell)
 W, H = 960, 380
-ML, MR, MT, MB = 64, 24, 86, 44  # plot margins; the top one holds crash labels
+ML, MR, MT, MB = 64, 24, 90, 44  # plot margins; the top one holds crash labels
 
 CLASS_COLORS = {
     "cold_start_oom": "#f28e2b", "fla_backward_oom": "#e15759", "oom_during_training": "#ff9d9a",
@@ -35,7 +36,7 @@ vertical-align:top}th{background:#f6f8fa;font-weight:600}td.num,th.num{text-alig
 td.nw{white-space:nowrap}
 .chip{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px;vertical-align:-1px}
 .legend span.item{margin-right:16px;white-space:nowrap;font-size:13px}.ev{color:#5b6570;font-family:ui-monospace,Menlo,
-monospace;font-size:12px;word-break:break-word}svg{display:block;max-width:100%;height:auto}
+monospace;font-size:12px;word-break:break-word}svg{display:block;width:100%;height:auto}
 svg text{font:11px system-ui,sans-serif;fill:#3d4650}.muted{color:#8a939c}
 """
 
@@ -125,12 +126,13 @@ def loss_chart(d: dict) -> str:
                    f' stroke="{fill}" stroke-width="1.5"/></g>')
     for c in d["crashes"]:
         x, col = X(c["step"]), CLASS_COLORS.get(c["class"], "#7f7f7f")
+        side, anchor = (-1, "end") if x > ML + pw * 0.8 else (1, "start")  # labels near the right edge lean left
         tip = f"attempt {c['n']} crashed at step {c['step']}: {c['class']}" + (f"\n{c['evidence']}" if c["evidence"] else "")
         out.append(f'<g class="crash" data-class="{e(c["class"])}"><title>{e(tip)}</title>'
                    f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{MT - 4}" y2="{MT + ph}" stroke="{col}" stroke-width="2.2"/>'
                    f'<circle cx="{x:.1f}" cy="{MT - 4}" r="4" fill="{col}"/>'
-                   f'<text x="{x + 4:.1f}" y="{MT - 10}" transform="rotate(-40 {x + 4:.1f} {MT - 10})"'
-                   f' style="fill:{col};font-weight:600">{e(c["class"])}</text>'
+                   f'<text x="{x + 4 * side:.1f}" y="{MT - 10}" transform="rotate({-32 * side} {x + 4 * side:.1f} {MT - 10})"'
+                   f' text-anchor="{anchor}" style="fill:{col};font-weight:600">{e(c["class"])}</text>'
                    f'<rect x="{x - 5:.1f}" y="{MT - 8}" width="10" height="{ph + 8}" fill="transparent"/></g>')
     out.append("</svg>")
     return "".join(out)
@@ -188,10 +190,10 @@ def attempts_table(attempts: list[dict]) -> str:
         cls = (f'<span class="chip" style="background:{CLASS_COLORS.get(a["class"], "#7f7f7f")}"></span>{e(a["class"])}'
                if a["class"] else '<span class="muted">-</span>')
         ev = a["evidence"][0] if a["evidence"] else ""
-        out.append(f"<tr><td class=num>{a['n']}</td><td>{e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a['started_at'])))}"
+        out.append(f"<tr><td class=num>{a['n']}</td><td class=nw>{e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a['started_at'])))}"
                    f"</td><td class=num>{e(ran)}</td><td class=nw>{e(steps)}</td><td class=nw>{e(exit_text(a))}</td>"
                    f"<td class=nw>{cls}</td>"
-                   f"<td class=ev>{e(a['resumed_from'] or '-')}</td>"
+                   f"<td class=ev title=\"{e(a['resumed_from'] or '')}\">{e(Path(a['resumed_from']).name if a['resumed_from'] else '-')}</td>"
                    f"<td class=ev title=\"{e(chr(10).join(a['evidence']))}\">{e(ev[:240])}</td></tr>")
     out.append("</table>")
     return "".join(out)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 import re
+import sqlite3
 import time
 from collections import Counter
 from pathlib import Path
 
 from orchestrator import goodput, progress
+from orchestrator.checkpoints import read_manifest
 from orchestrator.journal import Journal, journal_path
 from orchestrator.recipe import Recipe
 from orchestrator.rundir import state_dir
@@ -25,12 +27,16 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 def attempt_times(attempts: list[Attempt], ckpts: list[dict], completed: bool) -> list[goodput.AttemptTimes]:
     out = []
+    by_step = {c["step"]: c for c in ckpts if c["ok"] and c["verified_at"]}
     for i, a in enumerate(attempts):
         end = a.ended_at
-        kept = [c["verified_at"] for c in ckpts if c["ok"] and c["verified_at"] and a.started_at <= c["verified_at"]
-                and (end is None or c["verified_at"] <= end + 5)]
+        # +5 s: a checkpoint saved just before the crash is verified by the scan after the exit.
+        mine = [c for c in by_step.values() if a.started_at <= c["verified_at"] and (end is None or c["verified_at"] <= end + 5)]
+        if i + 1 < len(attempts):  # the kept work is what the next attempt resumed from
+            used = by_step.get(attempts[i + 1].start_step)
+            mine = [used] if used in mine else []
         out.append(goodput.AttemptTimes(a.started_at, end, a.first_step_at, a.last_step_at,
-                                        max(kept, default=None), a.hang_detected_at,
+                                        max((c["verified_at"] for c in mine), default=None), a.hang_detected_at,
                                         completed and i == len(attempts) - 1))
     return out
 
@@ -139,15 +145,16 @@ def step_seconds(records: list[Progress], attempts: list[Attempt]) -> float | No
     return secs / steps if steps and secs > 0 else None
 
 
-def published_steps(persistent_dir: str | None) -> set[int]:
-    """Checkpoints present at the sync destination (sync renames a dir into place only when complete)."""
+def published_steps(persistent_dir: str | None, recipe_hash: str | None) -> set[int]:
+    """This recipe's checkpoints at the sync destination (sync renames a dir into place only when
+    complete). A fallback for journal rows whose synced_at was never recorded."""
     if not persistent_dir:
         return set()
     try:
-        return {int(m.group(1)) for d in Path(persistent_dir).iterdir()
-                if (m := re.fullmatch(r"checkpoint-(\d+)", d.name))}
+        dirs = [(d, m) for d in Path(persistent_dir).iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", d.name))]
     except OSError:
         return set()
+    return {int(m.group(1)) for d, m in dirs if (read_manifest(d) or {}).get("recipe_hash") == recipe_hash}
 
 
 def sync_state(r: Recipe, ckpts: list[dict], now: float, published: set[int]) -> dict:
@@ -173,7 +180,7 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
     ckpts = j.checkpoints()
     good = [c for c in ckpts if c["ok"]]
     newest = good[-1] if good else None
-    published = published_steps(r.run.persistent_dir)
+    published = published_steps(r.run.persistent_dir, kv.get("recipe_hash"))
     sync = sync_state(r, ckpts, now, published)
     g = goodput_of(j, now)
     step = kv.get("step") if kv.get("step") is not None else (records[-1].step if records else None)
@@ -297,7 +304,10 @@ def status_view(r: Recipe, j: Journal, watch: bool = False, *, console=None, ref
         with Live(status_renderable(status_data(r, j, steps=steps)), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(refresh_s)  # a display refresh interval, not synchronisation
-                live.update(status_renderable(status_data(r, j, steps=steps)), refresh=True)
+                try:
+                    live.update(status_renderable(status_data(r, j, steps=steps)), refresh=True)
+                except sqlite3.OperationalError:  # a busy journal: keep the last view, retry next tick
+                    continue
     except KeyboardInterrupt:
         pass
 
@@ -331,7 +341,7 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
     log = StepLog(out / "logging.jsonl")
     st = status_data(r, j, now=now, steps=log)
     records, attempts = log.records(), j.attempts()
-    published = published_steps(r.run.persistent_dir)
+    published = published_steps(r.run.persistent_dir, kv.get("recipe_hash"))
     return {
         "run": r.run.name, "recipe_hash": kv.get("recipe_hash"), "backend": kv.get("backend") or r.run.backend,
         "model": r.model.path, "state": kv.get("state"), "exit_reason": kv.get("exit_reason"),

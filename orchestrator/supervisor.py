@@ -106,7 +106,8 @@ class Supervisor:
         self.state = state
         self.metrics.set_state(state)
         step = self.attempt.last.step if self.attempt and self.attempt.last else None
-        self.journal.put(state=state.value, step=step, updated_at=self.clock(), attempt=self.attempts)
+        self.journal.put(state=state.value, updated_at=self.clock(), attempt=self.attempts,
+                         **({"step": step} if step is not None else {}))  # keep the last step across a relaunch
         self.notifier.status(f"{state.value}" + (f" step {step}" if step is not None else ""))
 
     def _pass_done(self) -> None:
@@ -116,6 +117,10 @@ class Supervisor:
         self.sidecar.report()
         if now - self.goodput_at >= GOODPUT_EVERY_S:
             self.goodput_at = now
+            a = self.attempt
+            if a and a.first_step_at and self._current.ended_at is None:  # the running attempt's progress so far
+                self._record(replace(self._current, first_step_at=a.first_step_at, last_step_at=a.last_step_at,
+                                     end_step=a.last.step))
             g = goodput_of(self.journal, now)
             self.metrics.goodput(g.ratio, g.lost)
         reason = self.spot.check(now)
