@@ -5,6 +5,7 @@ to check the expert count against EP before anything runs).
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import json
@@ -21,10 +22,14 @@ from orchestrator.render import flags
 class RecipeError(Exception):
     """Bad input: one clear message naming the file, the key and what to do. Exit code 2."""
 
+    def __init__(self, message: str = "") -> None:
+        # One line, always: a key or value holding a newline or other control character is shown escaped.
+        super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message)))
+
 
 class _Section(BaseModel):
-    # strict: a string where a number belongs is an error, not a silent coercion.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # strict: a string where a number belongs is an error, not a silent coercion; inf/nan are never meant.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class RunSection(_Section):
@@ -135,7 +140,7 @@ class SupervisorSection(_Section):
     hang_timeout_s: float = Field(default=1800, gt=0)
     startup_timeout_s: float = Field(default=3600, gt=0)
     max_crashes_per_hour: int = Field(default=3, gt=0)
-    max_relaunches_without_progress: int = Field(default=3, gt=0)
+    max_relaunches_without_progress: int = Field(default=5, gt=0)
     backoff_max_s: float = Field(default=1800, ge=0)
     port_range: list[int] = Field(default=[29500, 29599], min_length=2, max_length=2)
     poll_s: float = Field(default=0.5, gt=0)
@@ -271,13 +276,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise RecipeError(f"--set {item!r}: expected dotted.key=value, for example --set optim.lr=1e-4")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         value = raw.strip()
     return key.strip().split("."), value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    data = json.loads(json.dumps(data))  # deep copy of plain TOML data
+    data = copy.deepcopy(data)  # not a JSON round trip: TOML has dates and times
     for item in overrides:
         keys, value = parse_override(item)
         node = data
@@ -287,6 +292,33 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise RecipeError(f"--set {item!r}: {k!r} is not a table")
         node[keys[-1]] = value
     return data
+
+
+def _check_values(node: Any, where: str = "", depth: int = 0) -> str | None:
+    """Values no recipe key can take, whatever its type: a NUL character (no path, argument or environment
+    variable can hold one), integers beyond 64 bits (TOML's limit) and nesting deeper than 8 levels (no
+    recipe key is deeper than 4; deeper data would only exhaust the recursion limit later).
+    -> the first problem, or None."""
+    if depth > 8:
+        return f"{where}: nested too deeply"
+    if isinstance(node, dict):
+        items = list(node.items())
+    elif isinstance(node, list):
+        items = list(enumerate(node))
+    elif isinstance(node, str) and "\0" in node:
+        return f"{where}: contains a NUL character (\\x00), which no path, argument or environment variable can hold"
+    elif isinstance(node, int) and not isinstance(node, bool) and not -2**63 <= node < 2**63:
+        return f"{where}: integer out of the 64-bit range (TOML integers are -2**63 .. 2**63 - 1)"
+    else:
+        return None
+    for k, v in items:
+        key = f"{where}.{k}" if where else str(k)
+        if isinstance(k, str) and "\0" in k:
+            return f"{key}: a key with a NUL character (\\x00)"
+        problem = _check_values(v, key, depth + 1)
+        if problem:
+            return problem
+    return None
 
 
 def _resolve_paths(data: dict, base: Path) -> None:
@@ -355,7 +387,14 @@ def load(path: str | Path, overrides: list[str] = ()) -> Recipe:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path}: TOML syntax error: {e}") from None
-    data = apply_overrides(data, list(overrides))
+    except RecursionError:
+        raise RecipeError(f"{path}: TOML syntax error: arrays or inline tables nested too deeply") from None
+    for stage in ("file", "overrides"):  # checked before apply_overrides copies (recursively) the data
+        problem = _check_values(data)
+        if problem:
+            raise RecipeError(f"{path}: {problem}")
+        if stage == "file":
+            data = apply_overrides(data, list(overrides))
     _resolve_paths(data, path.absolute().parent)  # not resolve(): recipes/demo-cpu.toml is a symlink
     recipe = validate(data, str(path))
     from orchestrator.render.command import duplicated_extra_args  # here: render imports this module

@@ -139,13 +139,13 @@ def test_crashes_last_hour(earlier, cls, count):
 
 @pytest.mark.parametrize("stalled_before,cls,progress,action", [
     (0, C.OOM_DURING_TRAINING, False, Action.RELAUNCH),
-    (1, C.OOM_DURING_TRAINING, False, Action.RELAUNCH),
-    (2, C.OOM_DURING_TRAINING, False, Action.GIVE_UP),     # the 3rd relaunch in a row without progress
-    (2, C.NCCL_ERROR, False, Action.GIVE_UP),
-    (2, C.NAN_LOSS, False, Action.GIVE_UP),
-    (2, C.OOM_DURING_TRAINING, True, Action.RELAUNCH),     # a new good checkpoint resets the count
+    (3, C.OOM_DURING_TRAINING, False, Action.RELAUNCH),
+    (4, C.OOM_DURING_TRAINING, False, Action.GIVE_UP),     # the 5th relaunch in a row without progress
+    (4, C.NCCL_ERROR, False, Action.GIVE_UP),
+    (4, C.NAN_LOSS, False, Action.GIVE_UP),
+    (4, C.OOM_DURING_TRAINING, True, Action.RELAUNCH),     # a new good checkpoint resets the count
     (10, C.CUDA_FATAL, True, Action.RELAUNCH),
-    (2, C.PORT_IN_USE, False, Action.RELAUNCH),            # port_in_use is not counted
+    (4, C.PORT_IN_USE, False, Action.RELAUNCH),            # port_in_use is not counted
 ])
 def test_no_progress_guard(stalled_before, cls, progress, action):
     d = decide(crash(cls), History(relaunches_without_progress=stalled_before), CFG, NOW, progress)

@@ -1,0 +1,201 @@
+"""The effective-training-time simulation (orchestrator/simulate.py): sanity, policy, determinism, analytics."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from orchestrator import simulate as S
+from orchestrator.recipe import SupervisorSection
+from orchestrator.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate, with_
+
+# No crash-loop backoff, no give-up: the policy reduces to its per-class waits.
+NO_GUARDS = SupervisorSection(max_crashes_per_hour=10**6, max_relaunches_without_progress=10**6)
+FLA = Scenario(per_step={"fla_backward_oom": 1 / 500})
+
+
+def ratio(sc: Scenario, loop: str, seeds=range(50), cfg: SupervisorSection | None = None) -> float:
+    return S.summarize([simulate(sc, loop, s, cfg) for s in seeds]).ratio
+
+
+# --- accounting ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("sc", [Scenario(), FLA, FIELD, HARSH, with_(HARSH, save_s=30.0)], ids=lambda s: s.name)
+def test_every_second_is_charged_once(sc, loop):
+    for seed in range(5):
+        r = simulate(sc, loop, seed)
+        assert r.completed
+        assert r.productive_s == pytest.approx(sc.ideal_s)
+        assert r.productive_s + sum(r.lost.values()) == pytest.approx(r.wall_s)
+        assert sum(r.by_class.values()) == pytest.approx(sum(r.lost.values()))
+        assert set(r.lost) == set(KINDS[1:])
+        assert 0 < r.ratio <= 1
+
+
+@pytest.mark.parametrize("loop,extra", [("plain", 0.0), ("orchestrator", Scenario().verify_s)])
+@pytest.mark.parametrize("startup_s", [60.0, 480.0, 900.0])
+def test_no_crashes_ratio_is_one_minus_startup(loop, extra, startup_s):
+    sc = Scenario(startup_s=startup_s)
+    r = simulate(sc, loop, seed=1)
+    assert r.ratio == pytest.approx(sc.ideal_s / (sc.ideal_s + startup_s + extra), rel=1e-12)
+    assert r.launches == 1 and not r.crashes
+    assert r.lost["startup"] == startup_s and r.lost["lost_progress"] == 0
+
+
+def test_deterministic_with_a_seed():
+    for loop in LOOPS:
+        a, b = simulate(HARSH, loop, seed=7), simulate(HARSH, loop, seed=7)
+        assert a == b
+        assert simulate(HARSH, loop, seed=8) != a
+
+
+# --- what the model must show -------------------------------------------------------------------
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_more_frequent_saves_reduce_lost_progress(loop):
+    lost = []
+    for k in (1000, 500, 200, 100, 50, 20):
+        sm = S.summarize([simulate(with_(FLA, save_steps=k), loop, s, NO_GUARDS) for s in range(40)])
+        lost.append(sm.lost_share["lost_progress"])
+    assert lost == sorted(lost, reverse=True), lost
+    assert lost[0] > 5 * lost[-1]
+
+
+def test_save_cost_makes_very_frequent_saves_worse():
+    """With a save cost there is an optimum (Young/Daly): saving every step is worse than every 100."""
+    sc = with_(FLA, save_s=30.0)
+    assert ratio(with_(sc, save_steps=100), "plain") > ratio(with_(sc, save_steps=2), "plain")
+
+
+@pytest.mark.parametrize("hangs_per_day,plain_hang_h,margin", [
+    (1, 6, 0.10), (2, 6, 0.20), (2, 24, 0.40), (4, 6, 0.30),
+])
+def test_hang_detection_matters(hangs_per_day, plain_hang_h, margin):
+    sc = Scenario(per_hour={"nccl_timeout_hang": hangs_per_day / 24}, plain_hang_s=plain_hang_h * 3600.0)
+    orch, plain = ratio(sc, "orchestrator"), ratio(sc, "plain")
+    assert orch - plain > margin, (orch, plain)
+
+
+def test_hang_cost_is_the_detection_timeout():
+    sc = Scenario(per_hour={"nccl_timeout_hang": 1 / 12})
+    for loop, per_hang in [("orchestrator", SupervisorSection().hang_timeout_s), ("plain", sc.plain_hang_s)]:
+        r = simulate(sc, loop, seed=3, supervisor=NO_GUARDS)
+        assert r.lost["hang"] == pytest.approx(per_hang * r.crashes["nccl_timeout_hang"])
+
+
+@pytest.mark.parametrize("cls,orch_wait", [
+    ("fla_backward_oom", 90.0), ("cuda_fatal", 90.0), ("host_oom_killed", 90.0),
+    ("nccl_error", 120.0), ("nccl_timeout_hang", 120.0),  # wait_s + nccl_settle_s
+])
+def test_waits_follow_the_policy(cls, orch_wait):
+    sc = Scenario(per_hour={cls: 0.5})
+    for loop, per_crash in [("orchestrator", orch_wait), ("plain", 90.0)]:
+        r = simulate(sc, loop, seed=5, supervisor=NO_GUARDS)
+        assert r.crashes[cls] > 10
+        assert r.lost["wait"] == pytest.approx(per_crash * sum(r.crashes.values()))
+
+
+def test_crash_loop_backs_off():
+    """More than max_crashes_per_hour: the real policy adds exponential backoff to wait_s + nccl_settle_s."""
+    sc = Scenario(per_hour={"nccl_error": 30.0}, save_steps=5, total_steps=2000)
+    cfg = SupervisorSection(max_relaunches_without_progress=10**6)
+    r = simulate(sc, "orchestrator", seed=0, supervisor=cfg)
+    assert r.completed and r.gave_up == 0
+    assert r.lost["wait"] > 120.0 * sum(r.crashes.values()) + 600
+
+
+def test_no_checkpoint_progress_gives_up():
+    """Crashes faster than the checkpoint interval: every max_relaunches_without_progress-th crash is a give-up
+    (exit 3), which costs gave_up_response_s until a person restarts the supervisor."""
+    sc = Scenario(per_hour={"nccl_error": 6.0}, save_steps=500, total_steps=2000, gave_up_response_s=600.0)
+    r = simulate(sc, "orchestrator", seed=0, max_wall_factor=20)
+    assert not r.completed
+    assert r.gave_up == sum(r.crashes.values()) // SupervisorSection().max_relaunches_without_progress
+    assert r.lost["gave_up"] == pytest.approx(600.0 * r.gave_up)
+
+
+def test_port_held_after_a_crash_costs_the_plain_loop_only():
+    sc = with_(FLA, port_held_prob=1.0, port_hold_mean_s=600.0)
+    plain, orch = simulate(sc, "plain", seed=2), simulate(sc, "orchestrator", seed=2)
+    assert plain.crashes["port_in_use"] > plain.crashes["fla_backward_oom"]  # repeated restart cycles
+    assert plain.lost["failed_launch"] > 0
+    assert orch.crashes["port_in_use"] == 0  # a fresh port per launch
+
+
+def test_foreign_port_collision_is_a_free_immediate_retry():
+    sc = Scenario(foreign_port_prob=0.5, total_steps=2000)
+    r = simulate(sc, "orchestrator", seed=4)
+    assert r.crashes["port_in_use"] > 0 and r.gave_up == 0
+    assert r.lost["wait"] == 0  # relaunched at once, no wait_s
+    assert r.lost["failed_launch"] == pytest.approx(sc.port_fail_s * r.crashes["port_in_use"])
+
+
+def test_stale_holders_repeat_cold_start_ooms_only_without_gpu_verification():
+    sc = with_(FLA, stale_prob=1.0, stale_mean_s=900.0, stale_killable=0.5)
+    plain, orch = S.summarize([simulate(sc, "plain", s) for s in range(20)]), \
+        S.summarize([simulate(sc, "orchestrator", s) for s in range(20)])
+    assert plain.crashes_per_run["cold_start_oom"] > plain.crashes_per_run["fla_backward_oom"]
+    assert "cold_start_oom" not in orch.crashes_per_run
+    assert orch.lost_share["gpu_busy"] > 0 and orch.lost_share["failed_launch"] == 0
+    assert orch.ratio > plain.ratio
+
+
+def test_nan_stop_beats_training_on_nan():
+    sc = Scenario(per_hour={"nan_loss": 1 / 24})
+    assert ratio(sc, "orchestrator") - ratio(sc, "plain") > 0.1
+
+
+def test_nan_twice_in_a_row_gives_up():
+    sc = Scenario(per_hour={"nan_loss": 1 / 24}, nan_repeat_prob=1.0)
+    r = simulate(sc, "orchestrator", seed=1, supervisor=NO_GUARDS)
+    assert r.gave_up > 0 and r.crashes["nan_loss"] == 2 * r.gave_up
+
+
+@pytest.mark.parametrize("sc", [FIELD, HARSH], ids=lambda s: s.name)
+def test_the_orchestrator_beats_the_plain_loop_on_both_mixes(sc):
+    c = compare(sc, range(30))
+    assert c["orchestrator"].ratio > c["plain"].ratio
+    assert c["orchestrator"].lost_share["hang"] < c["plain"].lost_share["hang"]
+
+
+def test_harsh_is_harsher():
+    for loop in LOOPS:
+        assert ratio(HARSH, loop) < ratio(FIELD, loop)
+
+
+# --- the analytic expectation -------------------------------------------------------------------
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("p,k", [(1 / 500, 100), (1 / 200, 50), (1 / 1000, 300), (1 / 100, 20)])
+def test_simulation_matches_the_analytic_expectation(loop, p, k):
+    sc = Scenario(per_step={"fla_backward_oom": p}, save_steps=k, total_steps=12_000)
+    wait = sc.plain_wait_s if loop == "plain" else NO_GUARDS.wait_s + sc.verify_s
+    first = sc.startup_s + (sc.verify_s if loop == "orchestrator" else 0.0)
+    expected = analytic_ratio(sc, recovery_s=sc.exit_s + wait + sc.startup_s, first_start_s=first)
+    got = ratio(sc, loop, range(200), NO_GUARDS)
+    assert got == pytest.approx(expected, rel=0.01), (got, expected)
+
+
+def test_analytic_ratio_limits():
+    sc = Scenario()
+    assert analytic_ratio(sc, 600.0) == pytest.approx(sc.ideal_s / (sc.ideal_s + sc.startup_s))
+    sc = Scenario(per_step={"fla_backward_oom": 1 / 500})
+    slow, fast = analytic_ratio(sc, 3600.0), analytic_ratio(sc, 60.0)
+    assert 0 < slow < fast < 1
+
+
+# --- input checks -------------------------------------------------------------------------------
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="loop"):
+        simulate(Scenario(), "systemd")
+    with pytest.raises(ValueError, match="per step"):
+        simulate(Scenario(per_step={"fla_backward_oom": 1.0}), "plain")
+
+
+def test_an_impossible_run_ends_at_the_wall_cap():
+    sc = Scenario(per_step={"fla_backward_oom": 0.2}, save_steps=1000, total_steps=2000)
+    r = simulate(sc, "plain", seed=0, max_wall_factor=3)
+    assert not r.completed and r.wall_s >= 3 * sc.ideal_s and r.productive_s == 0 and r.ratio == 0
+    assert math.isfinite(r.wall_s)
