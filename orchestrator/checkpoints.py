@@ -12,13 +12,19 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from orchestrator.types import CheckpointInfo
+
+try:  # imported here, not on first use: the first check must not stall the supervisor's loop
+    import numpy  # noqa: F401  (safe_open's numpy framework needs it)
+    from safetensors import safe_open
+except ImportError:  # without them only our own header parse runs
+    safe_open = None
 
 MANIFEST = "orchestrator-manifest.json"
 CKPT_RE = re.compile(r"checkpoint-(\d+)")
@@ -206,9 +212,8 @@ def read_safetensors(path: Path, name: str) -> tuple[list[str], list[str]]:
     except OSError as e:
         return [f"{name}: cannot read ({e.strerror})"], []
     problems, names = check_header(header, n, size, name)
-    if not problems:
+    if not problems and safe_open is not None:
         try:  # the library's parse is authoritative; it mmaps and reads the header only
-            from safetensors import safe_open
             with safe_open(str(path), framework="numpy"):
                 pass
         except Exception as e:  # noqa: BLE001 - any library rejection is a finding
@@ -225,10 +230,14 @@ def _load_json(path: Path, name: str, problems: list[str]) -> Any:
 
 
 def _link_step(output_dir: Path) -> int | None:
+    """The step last-checkpoint names, while that checkpoint is there: a dangling link (the checkpoint was
+    quarantined or deleted) proves nothing about the checkpoints being written after it."""
     try:
-        return int(CKPT_RE.fullmatch(Path(os.readlink(output_dir / "last-checkpoint")).name).group(1))
+        target = os.readlink(output_dir / "last-checkpoint")
+        step = int(CKPT_RE.fullmatch(Path(target).name).group(1))
     except (OSError, AttributeError):
         return None
+    return step if (output_dir / target).is_dir() else None
 
 
 def _int_file(path: Path) -> int | None:
@@ -354,16 +363,24 @@ def _jsonl_losses(path: Path) -> dict[int, float]:
     return out
 
 
-def discover(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None = None) -> list[CheckpointInfo]:
-    """Every checkpoint-N/ under output_dir, verified (headers only), sorted by step."""
+def discover(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None = None,
+             skip: Collection[str] = ()) -> list[CheckpointInfo]:
+    """Every checkpoint-N/ under output_dir (paths in `skip` left out), verified, sorted by step."""
+    return list(scan(output_dir, backend, expect, skip))
+
+
+def scan(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None = None,
+         skip: Collection[str] = (), newest_first: bool = False) -> Iterator[CheckpointInfo]:
+    """Every checkpoint-N/ under output_dir (paths in `skip` left out), verified (headers only),
+    by step. Lazy: a caller that stops at the first good one verifies no more."""
     out = Path(output_dir)
     try:
         entries = {e.name: e for e in out.iterdir()}
     except OSError:
-        return []
-    infos, jsonl = [], None
-    for name in sorted((n for n in entries if CKPT_RE.fullmatch(n) and entries[n].is_dir()),
-                       key=lambda n: int(n.split("-")[1])):
+        return
+    jsonl = None
+    names = [n for n in entries if CKPT_RE.fullmatch(n) and str(entries[n]) not in skip and entries[n].is_dir()]
+    for name in sorted(names, key=lambda n: int(n.split("-")[1]), reverse=newest_first):
         v = verify(entries[name], expect, backend=backend)
         merged = entries.get(f"{name}-merged")
         manifest = read_manifest(entries[name])
@@ -373,8 +390,7 @@ def discover(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | N
         if loss is None and "logging.jsonl" in entries:
             jsonl = _jsonl_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
             loss = max(((s, l) for s, l in jsonl.items() if s <= v.step), default=(0, None))[1]
-        infos.append(v.to_info(str(merged) if merged and merged.is_dir() else None, loss))
-    return infos
+        yield v.to_info(str(merged) if merged and merged.is_dir() else None, loss)
 
 
 def verify_report(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,

@@ -23,6 +23,7 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,6 +75,7 @@ class Supervisor:
         self.goodput_at = 0.0
         self.metrics_port: int | None = None
         self.last_scan = 0.0
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
         self.journal: Journal | None = None   # set in preflight, with the lock and the sync sidecar
         self.sidecar: Sidecar | None = None
         self.lock: RunLock | None = None
@@ -118,7 +120,7 @@ class Supervisor:
         if now - self.goodput_at >= GOODPUT_EVERY_S:
             self.goodput_at = now
             a = self.attempt
-            if a and a.first_step_at and self._current.ended_at is None:  # the running attempt's progress so far
+            if a and a.first_step_at and a.n == self._current.n and self._current.ended_at is None:  # live progress
                 self._record(replace(self._current, first_step_at=a.first_step_at, last_step_at=a.last_step_at,
                                      end_step=a.last.step))
             g = goodput_of(self.journal, now)
@@ -146,6 +148,9 @@ class Supervisor:
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
+        pending = self.journal.get_all().get("nan_pending")
+        if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
+            self._quarantine(pending["step"], pending["attempt"])
         self.attempts = len(self.journal.attempts())
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
@@ -244,11 +249,13 @@ class Supervisor:
         self._pass_done()
         if a.launched.exited.is_set():
             a.gather(now)
+        if a.bad:  # also when the trainer exited after the NaN (a crash, or max steps) before this pass
+            self.journal.put(nan_pending={"attempt": a.n, "step": a.bad_step})  # survives a kill before _clean
+            return self._crashed(Crash(CrashClass.NAN_LOSS, a.bad, Phase.TRAINING))
+        if a.launched.exited.is_set():
             return State.COMPLETED if a.done and a.launched.status.code == 0 else self._crashed(None)
         if self.stop_event.is_set():
             return State.STOPPING
-        if a.bad:
-            return self._crashed(Crash(CrashClass.NAN_LOSS, a.bad, Phase.TRAINING))
         divergence = self._resume_divergence()
         if divergence:
             self.metrics.resume_divergence()
@@ -294,7 +301,7 @@ class Supervisor:
             self.journal.event("cleanup", f"SIGKILLed {len(killed)} process(es) that ignored SIGTERM", pids=killed)
         self._finish_attempt(self.crash)
         if self.crash.cls is CrashClass.NAN_LOSS and self.attempt.bad_step is not None:
-            self._quarantine(self.attempt.bad_step)
+            self._quarantine(self.attempt.bad_step, self.attempt.n)
         self.journal.span(started, self.clock(), "cleanup")
         if self.decision.action is Action.GIVE_UP:
             self.exit_reason = self.decision.reason
@@ -357,11 +364,14 @@ class Supervisor:
                            spared_foreign=spared)
 
     def _resume_point(self) -> Resume | None:
-        infos = checkpoints.discover(self.out, self.recipe.run.backend, self._lora_expect())
-        manifests = {i.path: checkpoints.read_manifest(i.path) for i in infos}
-        best, passed = checkpoints.pick_resume(infos, manifests, self.hash, require_manifest=False)
-        for why in passed:
-            self.journal.event("resume_skip", why)
+        best = None
+        for info in checkpoints.scan(self.out, self.recipe.run.backend, self._lora_expect(), newest_first=True):
+            best, passed = checkpoints.pick_resume([info], {info.path: checkpoints.read_manifest(info.path)},
+                                                   self.hash, require_manifest=False)
+            for why in passed:
+                self.journal.event("resume_skip", why)
+            if best is not None:  # newest first: stop at the first acceptable one
+                break
         if best is None:
             best = self.sidecar.restore_newest()
             if best is None:
@@ -377,17 +387,21 @@ class Supervisor:
                 and not self.attempt.launched.exited.is_set():
             return
         self.last_scan = now
-        for info in checkpoints.discover(self.out, self.recipe.run.backend, self._lora_expect()):
-            if not info.complete or self.seen_checkpoints.get(info.path) is not None:
+        for info in checkpoints.discover(self.out, self.recipe.run.backend, self._lora_expect(),
+                                         skip=self.seen_checkpoints):
+            if not info.complete:
                 continue
             self.seen_checkpoints[info.path] = info.ok
             self.journal.record_checkpoint(info.step, info.path, info.ok, info.problems, info.loss, self.hash)
             if info.ok:
-                if checkpoints.read_manifest(info.path) is None:
-                    checkpoints.write_manifest(info.path, info.step, self.hash, info.loss)
                 self.metrics.checkpoint_saved(info.step, _mtime(info.path, now))
                 self.journal.event("checkpoint", f"verified {Path(info.path).name}")
-                self.sidecar.trigger()
+                if checkpoints.read_manifest(info.path) is None:
+                    # Hashing a large checkpoint takes seconds to minutes: never in the loop.
+                    self.hasher.submit(checkpoints.write_manifest, info.path, info.step, self.hash,
+                                       info.loss).add_done_callback(lambda _f: self.sidecar.trigger())
+                else:
+                    self.sidecar.trigger()
             else:
                 self.metrics.checkpoint_invalid()
                 self.metrics.alert("checkpoint_invalid", True)
@@ -396,17 +410,38 @@ class Supervisor:
     def _newest_good_step(self) -> int:
         return max((_step(p) for p, ok in self.seen_checkpoints.items() if ok), default=-1)
 
-    def _quarantine(self, nan_step: int) -> None:
+    def _quarantine(self, nan_step: int, attempt_n: int) -> None:
         """Checkpoints from the NaN step on (a save on the SIGTERM that stopped the attempt, say) may
         hold poisoned weights: move them out of the resume path, keeping the data for a person."""
         for d in sorted(self.out.glob("checkpoint-*")):
             m = re.fullmatch(r"checkpoint-(\d+)(-merged)?", d.name)
             if m and int(m.group(1)) >= nan_step:
-                target = d.with_name(f"{d.name}.nan-attempt-{self.attempt.n}")
+                target = d.with_name(f"{d.name}.nan-attempt-{attempt_n}")
                 d.rename(target)
                 self.seen_checkpoints.pop(str(d), None)
                 self.journal.event("quarantine", f"{d.name} was written at or after the NaN at step {nan_step}: "
                                    f"moved to {target.name}, never resumed from")
+        self._repoint_last_checkpoint(nan_step)
+        self.journal.put(nan_pending=None)
+
+    def _repoint_last_checkpoint(self, below: int) -> None:
+        """ms-swift's last-checkpoint must not name a quarantined step: the relaunch writes a new,
+        maybe unfinished, directory of that name, which the stale link would vouch for."""
+        link = self.out / "last-checkpoint"
+        try:
+            if _step(os.readlink(link)) < below:
+                return
+        except (OSError, ValueError, IndexError):
+            return
+        kept = sorted((d for d in self.out.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", d.name)
+                       and _step(str(d)) < below), key=lambda d: _step(str(d)))
+        if kept:
+            tmp = link.with_name("last-checkpoint.orchestrator-tmp")
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(kept[-1].name)
+            os.replace(tmp, link)
+        else:
+            link.unlink()
 
     def _resume_divergence(self) -> str | None:
         a = self.attempt
@@ -444,6 +479,7 @@ class Supervisor:
         if self.state is State.GAVE_UP:
             self.journal.event("gave_up", self.exit_reason)
         self.notifier.stopping(f"{self.state.value}: final sync")  # disarms the watchdog for the final sync
+        self.hasher.shutdown(wait=True)  # manifests first: the final sync publishes what they describe
         self.sidecar.stop(final_sync=True)
         self.goodput_at = 0.0
         self._pass_done()  # final goodput and sync figures

@@ -242,15 +242,23 @@ def _publish(src: Path, persistent: Path, manifest: dict, link_dest: Path | None
 
 # ---------------------------------------------------------------- sync / restore
 
-def _open_lock(persistent: Path) -> int:
+def _open_lock(persistent: Path, wait_s: float = 0.0) -> int:
+    """The sync lock; BlockingIOError when another sync still holds it after wait_s."""
     persistent.mkdir(parents=True, exist_ok=True)
     fd = os.open(persistent / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
     except BaseException:
         os.close(fd)
         raise
-    return fd
 
 
 def _published(persistent: Path) -> dict[str, dict | None]:
@@ -277,11 +285,12 @@ def _local_manifest(path: Path, step: int, recipe_hash: str | None, loss: float 
 def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, backend: str,
               recipe_hash: str | None, keep: int = 3, include_mcore: bool = True, include_merged: bool = True,
               on_problem: Callable[[str], None] | None = None, *, bwlimit_kib: int | None = None,
-              margin_bytes: int = 256 << 20, cancel: threading.Event | None = None) -> SyncResult:
+              margin_bytes: int = 256 << 20, cancel: threading.Event | None = None,
+              lock_wait_s: float = 0.0) -> SyncResult:
     """Publish the verified local checkpoints that retention keeps (newest first); prune old published ones."""
     t0, out, persistent = time.monotonic(), Path(output_dir), Path(persistent_dir)
     try:
-        lock_fd = _open_lock(persistent)
+        lock_fd = _open_lock(persistent, lock_wait_s)
     except BlockingIOError:
         return _report(SyncResult(problems=(f"another sync holds {persistent / LOCK}; skipped this round",)),
                        on_problem, t0)
@@ -422,10 +431,12 @@ class SyncSidecar(threading.Thread):
 
     def __init__(self, output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, backend: str,
                  recipe_hash: str | None, interval_s: float = 300.0,
-                 on_problem: Callable[[str], None] | None = None, **sync_kwargs) -> None:
+                 on_problem: Callable[[str], None] | None = None, final_lock_wait_s: float = 120.0,
+                 **sync_kwargs) -> None:
         super().__init__(name="orchestrator-sync", daemon=True)
         self.args = (output_dir, persistent_dir, backend, recipe_hash)
         self.interval_s, self.on_problem, self.sync_kwargs = interval_s, on_problem, sync_kwargs
+        self.final_lock_wait_s = final_lock_wait_s
         self.last_result: SyncResult | None = None
         self.last_success_at: float | None = None
         self.bytes_total = 0
@@ -460,14 +471,14 @@ class SyncSidecar(threading.Thread):
             self._wake.wait(self.interval_s)
             self._wake.clear()
             if self._stopping.is_set():
-                if self._final:
-                    self._round()
+                if self._final:  # the last chance: wait for another sync (an orphaned rsync, --once) to finish
+                    self._round(lock_wait_s=self.final_lock_wait_s)
                 return
             self._round()
 
-    def _round(self) -> None:
+    def _round(self, lock_wait_s: float = 0.0) -> None:
         try:
-            r = sync_once(*self.args, cancel=self._cancel, **self.sync_kwargs)
+            r = sync_once(*self.args, cancel=self._cancel, lock_wait_s=lock_wait_s, **self.sync_kwargs)
         except Exception as e:  # noqa: BLE001 - the thread must survive anything
             r = SyncResult(problems=(f"sync crashed: {type(e).__name__}: {e}",))
         new = [p for p in r.problems if p not in self._alerted]
