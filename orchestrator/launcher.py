@@ -186,7 +186,8 @@ class FileTail:
             st = self.path.stat()
             self.pos, self.inode = st.st_size, st.st_ino
 
-    def lines(self, max_bytes: int = 8 << 20) -> list[str]:
+    def lines(self, max_bytes: int | None = 8 << 20) -> list[str]:
+        """At most max_bytes per call (a pass stays short); None: everything (after the exit)."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
@@ -197,7 +198,7 @@ class FileTail:
             return []
         with open(self.path, "rb") as f:
             f.seek(self.pos)
-            data = f.read(max_bytes)
+            data = f.read(-1 if max_bytes is None else max_bytes)
         self.pos += len(data)
         *complete, self.partial = (self.partial + data).split(b"\n")
         # tqdm writes \r-separated bars: each fragment is its own line for matching.

@@ -52,6 +52,8 @@ def from_record(rec: dict) -> Progress | None:
 
 def parse_line(line: str) -> Progress | None:
     """A stdout line -> Progress, or None when it holds no training-step dict."""
+    if "{'" not in line:  # most lines: a C substring test instead of a regex scan
+        return None
     m = _DICT.search(line)
     if not m:
         return None

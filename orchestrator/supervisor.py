@@ -248,7 +248,7 @@ class Supervisor:
         self._scan_checkpoints(now)
         self._pass_done()
         if a.launched.exited.is_set():
-            a.gather(now)
+            a.gather(now, drain=True)  # everything it wrote before exiting, however much
         if a.bad:  # also when the trainer exited after the NaN (a crash, or max steps) before this pass
             self.journal.put(nan_pending={"attempt": a.n, "step": a.bad_step})  # survives a kill before _clean
             return self._crashed(Crash(CrashClass.NAN_LOSS, a.bad, Phase.TRAINING))

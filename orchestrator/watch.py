@@ -62,15 +62,15 @@ class AttemptWatch:
         return cls(n, launched, port, resume, FileTail(launched.log_path), FileTail(jsonl, from_end=True),
                    logged_losses(jsonl))
 
-    def gather(self, now: float) -> list[Progress]:
+    def gather(self, now: float, drain: bool = False) -> list[Progress]:
         """Read what is new; returns the new step records (stdout first, then logging.jsonl)."""
         fresh: list[Progress] = []
-        for line in self.log.lines():
+        for line in self.log.lines(None if drain else 8 << 20):
             p = progress.parse_line(line)
             if p is not None:
                 fresh.append(p)
                 self._check(p, line)
-        for line in self.jsonl.lines():
+        for line in self.jsonl.lines(None if drain else 8 << 20):
             if finished_record(line):
                 self.finished = True
                 continue
