@@ -15,8 +15,8 @@
 
 2 and 3 come from the same runs: the fake trainer (tests/fake_trainer.py) crashing with fla_backward_oom
 every 6 steps, resumed from its newest checkpoint each time. Unless --quick/--no-variants, 2-4 are also
-run with 100 checkpoints on disk, after a 1 GiB save, and with candidate fixes applied by monkeypatching
-(apply_patch: scan_unseen, manifest_thread, journal_throttle); see bench/README.md.
+run in the situations that used to cost more: 100 checkpoints on disk, a crash 0.3 s after a 1 GiB save,
+and a checkpoint saved every 10 s; see bench/README.md.
 `run()` returns rows {name, measured, unit, target, pass}; bench/run_all.py runs every bench_*.py.
 """
 from __future__ import annotations
@@ -31,9 +31,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +49,6 @@ QUICK = {"quick": True}
 
 RATIO_TARGET, EXIT_TARGET_S, RECOVERY_TARGET_S = 0.95, 0.2, 1.0
 RSS_TARGET_MB, CPU_TARGET_PCT = 100.0, 1.0
-JOURNAL_REFRESH_S = 5.0
 
 # A trainer that only prints. It ignores its `sft ...` arguments; at the end it writes ms-swift's
 # closing logging.jsonl record (into its cwd, the run's output_dir) so the supervisor sees a completion,
@@ -169,8 +166,7 @@ def bench_passthrough(lines: int, repeat: int, poll_s: float = 0.5, workdir: str
 
 # ------------------------------------------------------------------ 2 + 3. exit detection, recovery
 
-def _crash_loop(work: Path, crashes: int, earlier_checkpoints: int = 0, patch: str = "",
-                save_steps: int = 4) -> tuple[list[float], list[float]]:
+def _crash_loop(work: Path, crashes: int, earlier_checkpoints: int = 0, save_steps: int = 4) -> tuple[list[float], list[float]]:
     """One supervised run whose trainer crashes `crashes` times (fla_backward_oom, exit 1), each time
     after a new checkpoint, resumed after `earlier_checkpoints` checkpoints of an earlier attempt.
     Returns (exit -> left RUNNING delays, left RUNNING -> next launch minus configured waits)."""
@@ -198,13 +194,11 @@ def _crash_loop(work: Path, crashes: int, earlier_checkpoints: int = 0, patch: s
         d = decide(*a, **k)
         waits.append(d.wait_s + d.backoff_s)
         return d
-    undo = apply_patch(patch)
     supmod.policy.decide = recording
     try:
         code, sup = _supervise(recipe, entry)
     finally:
         supmod.policy.decide = decide
-        undo()
     assert code == ExitCode.OK, (code, sup.exit_reason)
     exits = [float(x) for x in stamps.read_text().split()]
     evs = events(work / "out")
@@ -253,7 +247,7 @@ BIG_SAVE = textwrap.dedent('''\
     ''')
 
 
-def _big_save_crash(work: Path, size: int, patch: str = "") -> float:
+def _big_save_crash(work: Path, size: int) -> float:
     """Exit detection when the crash comes right after a checkpoint of `size` bytes: exit -> left RUNNING."""
     import crash_texts
     from orchestrator.types import CrashClass
@@ -267,12 +261,8 @@ def _big_save_crash(work: Path, size: int, patch: str = "") -> float:
         extra_env={"BENCH_DIR": str(Path(__file__).resolve().parent), "BENCH_CKPT_BYTES": str(size),
                    "BENCH_COUNTER": str(work / "attempts.txt"), "BENCH_CRASH_TEXT": str(work / "crash.txt"),
                    "BENCH_EXIT_STAMPS": str(stamps)})
-    undo = apply_patch(patch)
-    try:
-        code, sup = _supervise(recipe, f"run.entrypoint={json.dumps([sys.executable, str(work / 'trainer.py')])}",
-                               "lora.rank=64", "lora.alpha=128")  # bench_sync.make_checkpoint's adapter
-    finally:
-        undo()
+    code, sup = _supervise(recipe, f"run.entrypoint={json.dumps([sys.executable, str(work / 'trainer.py')])}",
+                           "lora.rank=64", "lora.alpha=128")  # bench_sync.make_checkpoint's adapter
     assert code == ExitCode.OK, (code, sup.exit_reason)
     evs = events(work / "out")
     noticed = [e["at"] for e in evs if e["kind"] == "state" and e["message"] == "running -> crashed"]
@@ -308,16 +298,15 @@ def _first_verify_stall(work: Path) -> float:
 
 def bench_recovery(crashes: int, runs: int, variants: bool, earlier: int = 100, big_save_mib: int = 1024,
                    workdir: str | None = None) -> list[dict]:
-    cases = [("", 0, "")]
+    cases = [("", 0)]
     if variants:
-        cases += [(f", {earlier} checkpoints on disk", earlier, ""),
-                  (f", {earlier} checkpoints, FIX scan_unseen + resume_newest", earlier, "scan_unseen,resume_newest")]
+        cases.append((f", {earlier} checkpoints on disk", earlier))
     rows = []
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        for c, (label, earlier_n, patch) in enumerate(cases):
+        for c, (label, earlier_n) in enumerate(cases):
             detect, recover = [], []
             for i in range(runs):
-                d, r = _crash_loop(Path(tmp) / f"case{c}-run{i}", crashes, earlier_n, patch)
+                d, r = _crash_loop(Path(tmp) / f"case{c}-run{i}", crashes, earlier_n)
                 detect += d
                 recover += r
             n = len(detect)
@@ -332,146 +321,15 @@ def bench_recovery(crashes: int, runs: int, variants: bool, earlier: int = 100, 
         rows.append({"name": "exit detection: one-off loop stall at the first checkpoint verification (median)",
                      "measured": round(stall, 4), "unit": "s", "target": f"<= {EXIT_TARGET_S:g}",
                      "pass": stall <= EXIT_TARGET_S})
-        if variants:  # the crash comes 0.3 s after a save: the scan that verifies it also hashes all of it
-            for label, patch in (("", ""), (", FIX manifest_thread", "manifest_thread")):
-                xs = [_big_save_crash(Path(tmp) / f"big{patch}{i}", big_save_mib << 20, patch) for i in range(runs + 1)]
-                rows.append({"name": f"exit detection: crash 0.3 s after a {big_save_mib} MiB save{label} "
-                                     f"(median of {len(xs)})", "measured": round(_median(xs), 4), "unit": "s",
-                             "target": f"<= {EXIT_TARGET_S:g}", "pass": _median(xs) <= EXIT_TARGET_S})
+        if variants:  # the crash comes 0.3 s after a save, while its manifest (sha256 of all of it) is written
+            xs = [_big_save_crash(Path(tmp) / f"big{i}", big_save_mib << 20) for i in range(runs + 1)]
+            rows.append({"name": f"exit detection: crash 0.3 s after a {big_save_mib} MiB save "
+                                 f"(median of {len(xs)})", "measured": round(_median(xs), 4), "unit": "s",
+                         "target": f"<= {EXIT_TARGET_S:g}", "pass": _median(xs) <= EXIT_TARGET_S})
     return rows
 
 
 # ------------------------------------------------------------------ 4. RSS and idle CPU
-
-# "What if" changes to the supervisor, measured without editing orchestrator/ (see README):
-#   NAME=VALUE     a module constant of orchestrator.supervisor, e.g. CHECKPOINT_SCAN_S=30
-#   scan_unseen    Supervisor._scan_checkpoints verifies only checkpoint dirs it has not recorded yet
-#                  (today every scan, every 2 s, re-verifies every checkpoint on disk)
-#   resume_newest  Supervisor._resume_point verifies checkpoints newest first and stops at the first usable
-#                  one (today it verifies every checkpoint on disk and reads every manifest, per relaunch)
-#   journal_throttle  Supervisor._enter skips the journal/status write when neither state nor step changed
-#                  and the last write is under JOURNAL_REFRESH_S old (today: one SQLite write every pass)
-#   manifest_thread  the scan hands write_manifest (sha256 of the whole checkpoint) to a thread
-#                  (today the main loop hashes it: no exit, hang or stop is noticed meanwhile)
-
-def _discover_unseen(sup, ck):
-    """checkpoints.discover() restricted to checkpoint dirs `sup` has not recorded yet (same body)."""
-    def discover(output_dir, backend, expect=None):
-        out = Path(output_dir)
-        try:
-            entries = {e.name: e for e in out.iterdir()}
-        except OSError:
-            return []
-        infos, jsonl, seen = [], None, sup.seen_checkpoints
-        for name in sorted((n for n in entries if ck.CKPT_RE.fullmatch(n) and str(entries[n]) not in seen
-                            and entries[n].is_dir()), key=lambda n: int(n.split("-")[1])):
-            v = ck.verify(entries[name], expect, backend=backend)
-            merged = entries.get(f"{name}-merged")
-            loss = (ck.read_manifest(entries[name]) or {}).get("loss")
-            if loss is None:
-                loss = ck._trainer_loss(entries[name], v.step)
-            if loss is None and "logging.jsonl" in entries:
-                jsonl = ck._jsonl_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
-                loss = max(((s, lo) for s, lo in jsonl.items() if s <= v.step), default=(0, None))[1]
-            infos.append(v.to_info(str(merged) if merged and merged.is_dir() else None, loss))
-        return infos
-    return discover
-
-
-_MANIFEST_THREADS: list[threading.Thread] = []
-
-
-def _manifest_in_thread(ck):
-    """write_manifest handed to a background thread: the main loop does not hash the checkpoint."""
-    def write_manifest(*a, **k):
-        t = threading.Thread(target=ck.write_manifest, args=a, kwargs=k, name="manifest", daemon=True)
-        _MANIFEST_THREADS.append(t)
-        t.start()
-    return write_manifest
-
-
-def apply_patch(spec: str):
-    """Apply comma-separated changes to orchestrator.supervisor; returns the undo. Fixes of the checkpoint
-    scan (scan_unseen, manifest_thread) act through a stand-in for the `checkpoints` module that only
-    Supervisor._scan_checkpoints sees (the sync thread keeps the real one)."""
-    from orchestrator import checkpoints
-    undo, fixes = [], []
-    for item in filter(None, spec.split(",")):
-        if item in ("scan_unseen", "manifest_thread"):
-            fixes.append(item)
-        elif item == "resume_newest":
-            resume_point = supmod.Supervisor._resume_point
-
-            def _resume_point(self, resume_point=resume_point):
-                out, expect = self.out, self._lora_expect()
-                names = sorted((n for n in os.listdir(out) if checkpoints.CKPT_RE.fullmatch(n) and (out / n).is_dir()),
-                               key=lambda n: int(n.split("-")[1]), reverse=True)
-                for n in names:  # newest first, stop at the first usable one
-                    info = checkpoints.verify(out / n, expect, backend=self.recipe.run.backend).to_info()
-                    best, passed = checkpoints.pick_resume([info], {info.path: checkpoints.read_manifest(info.path)},
-                                                           self.hash, require_manifest=False)
-                    for why in passed:
-                        self.journal.event("resume_skip", why)
-                    if best is not None:
-                        return supmod.Resume(best.path, best.step,
-                                             weights_only=not self.recipe.checkpoint.keep_optimizer)
-                return resume_point(self)  # nothing usable locally: the original (restore from persistent)
-            supmod.Supervisor._resume_point = _resume_point
-            undo.append(lambda f=resume_point: setattr(supmod.Supervisor, "_resume_point", f))
-        elif item == "journal_throttle":
-            enter = supmod.Supervisor._enter
-
-            def _enter(self, state, enter=enter):
-                step = self.attempt.last.step if self.attempt and self.attempt.last else None
-                now = time.monotonic()
-                if state is self.state and getattr(self, "_put_key", None) == (state, step) \
-                        and now - self._put_at < JOURNAL_REFRESH_S:
-                    return  # same state, same step, written less than JOURNAL_REFRESH_S ago
-                self._put_key, self._put_at = (state, step), now
-                return enter(self, state)
-            supmod.Supervisor._enter = _enter
-            undo.append(lambda enter=enter: setattr(supmod.Supervisor, "_enter", enter))
-        else:
-            k, _, v = item.partition("=")
-            old = getattr(supmod, k)
-            setattr(supmod, k, type(old)(v))
-            undo.append(lambda k=k, old=old: setattr(supmod, k, old))
-    if fixes:
-        scan = supmod.Supervisor._scan_checkpoints
-
-        def _scan_checkpoints(self, now):
-            proxy = types.SimpleNamespace(**vars(checkpoints))
-            if "scan_unseen" in fixes:
-                proxy.discover = _discover_unseen(self, checkpoints)
-            if "manifest_thread" in fixes:
-                proxy.write_manifest = _manifest_in_thread(checkpoints)
-            supmod.checkpoints = proxy
-            try:
-                return scan(self, now)
-            finally:
-                supmod.checkpoints = checkpoints
-        supmod.Supervisor._scan_checkpoints = _scan_checkpoints
-        undo.append(lambda: setattr(supmod.Supervisor, "_scan_checkpoints", scan))
-
-    def restore() -> None:
-        for u in reversed(undo):
-            u()
-        while _MANIFEST_THREADS:
-            _MANIFEST_THREADS.pop().join()
-    return restore
-
-
-# `python -m orchestrator run` with apply_patch(argv[1]) first.
-VARIANT = textwrap.dedent(f'''\
-    import sys
-    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-    import bench_supervisor
-    bench_supervisor.apply_patch(sys.argv[1])
-    sys.argv = ["orchestrator"] + sys.argv[2:]
-    from orchestrator.cli import main
-    main()
-    ''')
-
 
 def _earlier_attempt(out: Path, steps: int, save_steps: int, recipe: Path, *overrides: str) -> None:
     """Checkpoints left by an earlier attempt under an earlier supervisor: the fake trainer run directly at
@@ -487,7 +345,7 @@ def _earlier_attempt(out: Path, steps: int, save_steps: int, recipe: Path, *over
         checkpoints.write_manifest(info.path, info.step, h, info.loss)
 
 
-def _footprint(work: Path, steps: int, settle_s: float, patch: str = "", poll_s: float = 0.5,
+def _footprint(work: Path, steps: int, settle_s: float, poll_s: float = 0.5,
                earlier_checkpoints: int = 0, save_steps: int = 10, persistent: bool = True,
                sample_s: float = 0.25) -> dict:
     """The supervisor CLI as a subprocess watching a 1 step/s trainer for `steps` steps (resumed after
@@ -500,12 +358,7 @@ def _footprint(work: Path, steps: int, settle_s: float, patch: str = "", poll_s:
         "poll_s": poll_s, "hang_timeout_s": 120, "startup_timeout_s": 120, "wait_s": 0, "force_wait_s": 0})
     if start:
         _earlier_attempt(work / "out", start, 10, recipe)
-    if patch:
-        variant = work / "variant.py"
-        variant.write_text(VARIANT)
-        argv = [sys.executable, str(variant), patch, "run", str(recipe)]
-    else:
-        argv = [sys.executable, "-m", "orchestrator", "run", str(recipe)]
+    argv = [sys.executable, "-m", "orchestrator", "run", str(recipe)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     errlog = open(work / "supervisor.err", "wb")  # a file, not a pipe nobody reads while it runs
     proc = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=errlog,
@@ -551,13 +404,8 @@ def bench_footprint(steps: int, settle_s: float, variants: bool, earlier: int = 
     cases = [("fresh run, idle (no save in the window)", {"save_steps": idle})]
     if variants:
         cases += [
-            ("fresh run, idle, FIX journal_throttle", {"save_steps": idle, "patch": "journal_throttle"}),
             ("fresh run, a checkpoint saved + synced every 10 s", {"save_steps": 10}),
             (f"resumed, {earlier} checkpoints on disk, idle", {"save_steps": idle, "earlier_checkpoints": earlier}),
-            (f"resumed, {earlier} checkpoints on disk, idle, FIX scan_unseen",
-             {"save_steps": idle, "earlier_checkpoints": earlier, "patch": "scan_unseen"}),
-            (f"resumed, {earlier} checkpoints on disk, idle, CHECKPOINT_SCAN_S=30",
-             {"save_steps": idle, "earlier_checkpoints": earlier, "patch": "CHECKPOINT_SCAN_S=30"}),
         ]
     rows, rss, idle_pct = [], [], None
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
@@ -610,7 +458,7 @@ def main() -> int:
     ap.add_argument("--lines", type=int, default=None, help="pass-through lines (default 1,000,000)")
     ap.add_argument("--repeat", type=int, default=None, help="pass-through repetitions (default 5)")
     ap.add_argument("--no-variants", dest="variants", action="store_false",
-                    help="skip the footprint runs with 100 checkpoints on disk and the fix variants (~2 min)")
+                    help="skip the runs with 100 checkpoints on disk, the 1 GiB save and the saving footprint (~2 min)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
