@@ -144,4 +144,4 @@ def test_sigstopped_trainer_is_detected_as_hung_and_restarted(tiny, tmp_path):
     # trainer runs on for up to ~3 s first, so on a fast machine that save may even be the last step).
     resumed = int(Path(runs[1].resumed_from).name.split("-")[1])
     assert resumed >= 10 and runs[1].start_step == resumed and runs[1].end_step >= 30
-    assert max(losses(tmp_path)) == 30
+    assert set(range(1, 31)) <= set(losses(tmp_path)), "every step was logged"
