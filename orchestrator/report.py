@@ -7,14 +7,13 @@ in the run's real output_dir (kv "output_dir": a drifted recipe runs in <output_
 from __future__ import annotations
 
 import math
-import re
 import sqlite3
 import time
 from collections import Counter
 from pathlib import Path
 
 from orchestrator import goodput, progress
-from orchestrator.checkpoints import read_manifest
+from orchestrator.checkpoints import CKPT_RE, read_manifest
 from orchestrator.journal import Journal, journal_path
 from orchestrator.recipe import Recipe
 from orchestrator.rundir import state_dir
@@ -151,7 +150,7 @@ def published_steps(persistent_dir: str | None, recipe_hash: str | None) -> set[
     if not persistent_dir:
         return set()
     try:
-        dirs = [(d, m) for d in Path(persistent_dir).iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", d.name))]
+        dirs = [(d, m) for d in Path(persistent_dir).iterdir() if (m := CKPT_RE.fullmatch(d.name))]
     except OSError:
         return set()
     return {int(m.group(1)) for d, m in dirs if (read_manifest(d) or {}).get("recipe_hash") == recipe_hash}

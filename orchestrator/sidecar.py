@@ -3,7 +3,6 @@ journal and metrics (from the main loop, so the thread never touches them), rest
 persistent storage when the local disk has nothing to resume from (the new-spot-instance case)."""
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -64,7 +63,7 @@ class Sidecar:
         # What is published now, from persistent_dir itself: a round's result can be superseded
         # before this runs, the directory cannot.
         published = {int(m.group(1)) for d in Path(self.recipe.run.persistent_dir).glob("checkpoint-*")
-                     if (m := re.fullmatch(r"checkpoint-(\d+)", d.name))}
+                     if (m := checkpoints.CKPT_RE.fullmatch(d.name))}
         for c in self.journal.checkpoints():
             if c["ok"] and c["synced_at"] is None and c["step"] in published:
                 self.journal.mark_synced(c["step"])
@@ -82,7 +81,7 @@ class Sidecar:
         persistent = Path(self.recipe.run.persistent_dir)
         steps = []
         for d in persistent.glob("checkpoint-*"):
-            m = re.fullmatch(r"checkpoint-(\d+)", d.name)
+            m = checkpoints.CKPT_RE.fullmatch(d.name)
             manifest = checkpoints.read_manifest(d) if m else None
             if manifest and manifest.get("recipe_hash") == self.hash:
                 steps.append(int(m.group(1)))

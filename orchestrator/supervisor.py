@@ -148,7 +148,8 @@ class Supervisor:
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
-        pending = self.journal.get_all().get("nan_pending")
+        previous = self.journal.get_all()
+        pending = previous.get("nan_pending")
         if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
             self._quarantine(pending["step"], pending["attempt"])
         self.attempts = len(self.journal.attempts())
@@ -159,7 +160,6 @@ class Supervisor:
                 self.journal.put(metrics_port=self.metrics_port)
             except OSError as e:  # a taken metrics port must not cost the run; the down alert will show it
                 self.journal.event("metrics", f"cannot listen on {r.metrics.listen}: {e}")
-        previous = self.journal.get_all()
         self.journal.put(recipe_hash=self.hash, semantic_view=semantic_view(r), run=r.run.name,
                          backend=r.run.backend, output_dir=str(self.out), supervisor_pid=os.getpid())
         self.sidecar = Sidecar(r, self.hash, self.journal, self.metrics)
@@ -414,7 +414,7 @@ class Supervisor:
         """Checkpoints from the NaN step on (a save on the SIGTERM that stopped the attempt, say) may
         hold poisoned weights: move them out of the resume path, keeping the data for a person."""
         for d in sorted(self.out.glob("checkpoint-*")):
-            m = re.fullmatch(r"checkpoint-(\d+)(-merged)?", d.name)
+            m = checkpoints.CKPT_RE.fullmatch(d.name) or checkpoints.MERGED_RE.fullmatch(d.name)
             if m and int(m.group(1)) >= nan_step:
                 target = d.with_name(f"{d.name}.nan-attempt-{attempt_n}")
                 d.rename(target)
@@ -433,7 +433,7 @@ class Supervisor:
                 return
         except (OSError, ValueError, IndexError):
             return
-        kept = sorted((d for d in self.out.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", d.name)
+        kept = sorted((d for d in self.out.glob("checkpoint-*") if checkpoints.CKPT_RE.fullmatch(d.name)
                        and _step(str(d)) < below), key=lambda d: _step(str(d)))
         if kept:
             tmp = link.with_name("last-checkpoint.orchestrator-tmp")
@@ -468,10 +468,10 @@ class Supervisor:
         self.hang_at = None
 
     def _shutdown(self) -> None:
-        if self.lock and not self.sidecar:  # pre-flight failed after taking the lock: nothing ran
-            self.journal.close()
-            self.lock.release()
-        if not self.sidecar:
+        if not self.sidecar:  # pre-flight did not finish: nothing ran
+            if self.lock:
+                self.journal.close()
+                self.lock.release()
             return
         if self.state is State.COMPLETED and self.attempt:
             self._scan_checkpoints(self.clock())
