@@ -149,6 +149,7 @@ class Config:
     faults: int = 24                 # injected in the long runs (class `other` comes on top, one per other run)
     supervisor_kills: int = 3
     sync_kills: int = 3
+    spare_sync_kills: int = 2        # scheduled on top: a standalone sync can find nothing left to copy
     runs: int = 2                    # long runs; hang mode alternates silent / watchdog
     other_runs: int = 1
     nan_anywhere: bool = True        # False: nan_loss is each run's last cluster, no kill after it fired
@@ -250,7 +251,7 @@ def plan_soak(cfg: Config) -> list[RunPlan]:
     for i, k in enumerate(kinds):
         per_run_kinds[i % cfg.runs].append(k)
     plans, offset = [], 0
-    for i, (n, ns) in enumerate(zip(_split(cfg.faults, cfg.runs), _split(cfg.sync_kills, cfg.runs))):
+    for i, (n, ns) in enumerate(zip(_split(cfg.faults, cfg.runs), _split(cfg.sync_kills + cfg.spare_sync_kills, cfg.runs))):
         mode = "silent" if i % 2 == 0 else "watchdog"
         plans.append(plan_long_run(rng, f"long{i + 1}-{mode}", n, mode, per_run_kinds[i], ns, offset,
                                    nan=n >= 2, nan_anywhere=cfg.nan_anywhere))
