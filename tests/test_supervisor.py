@@ -228,14 +228,21 @@ def test_restarted_supervisor_stops_its_predecessors_training_first(tmp_path):
     second = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        old_pids = {t.pid for t in trainers}
+
+        def new_trainers() -> set[int]:
+            return {p.pid for p in _run_processes(out)
+                    if "fake_trainer" in " ".join(p.cmdline()) and p.pid not in old_pids}
+
+        # The attempt row is written before the launch, so wait for the new trainer process itself.
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(attempts(out)) < 2:
+        while time.monotonic() < deadline and not new_trainers():
             time.sleep(0.05)
         assert len(attempts(out)) == 2
         assert not any(t.is_running() and t.status() != psutil.STATUS_ZOMBIE for t in trainers), \
             "the predecessor's trainer was stopped before the new launch"
         assert events(out, "predecessor")
-        assert len({p.pid for p in _run_processes(out) if "fake_trainer" in " ".join(p.cmdline())}) == 1
+        assert len(new_trainers()) == 1
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(60)
