@@ -418,6 +418,8 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def _hash_all(paths: list[Path]) -> list[str]:
+    if not paths:
+        return []
     # hashlib releases the GIL on large updates, so a few threads overlap I/O and hashing
     with ThreadPoolExecutor(max_workers=max(1, min(4, len(paths)))) as pool:
         return list(pool.map(sha256_file, paths))
@@ -465,8 +467,11 @@ def read_manifest(ckpt: str | os.PathLike) -> dict | None:
     return data if isinstance(data, dict) and isinstance(data.get("files"), list) else None
 
 
-def manifest_matches(dir: str | os.PathLike, manifest: Mapping, checksums: bool = True) -> list[str]:
-    """Problems where `dir` differs from `manifest` (missing files, sizes, sha256)."""
+def manifest_matches(dir: str | os.PathLike, manifest: Mapping, checksums: bool = True,
+                     known: Mapping[str, str] | None = None) -> list[str]:
+    """Problems where `dir` differs from `manifest` (missing files, sizes, sha256).
+
+    `known`: sha256 of files already hashed in their current state (by tailhash during a copy)."""
     d = Path(dir)
     problems, to_hash = [], []
     for ent in manifest.get("files", []):
@@ -479,8 +484,10 @@ def manifest_matches(dir: str | os.PathLike, manifest: Mapping, checksums: bool 
         if size != ent["size"]:
             problems.append(f"{d.name}/{ent['path']}: {size} bytes, the manifest says {ent['size']}")
         elif checksums:
-            to_hash.append(ent)
-    for ent, got in zip(to_hash, _hash_all([d / e["path"] for e in to_hash]) if to_hash else []):
+            to_hash.append((ent, (known or {}).get(ent["path"])))
+    fresh = iter(_hash_all([d / e["path"] for e, got in to_hash if got is None]))
+    for ent, got in to_hash:
+        got = got or next(fresh)
         if got != ent["sha256"]:
             problems.append(f"{d.name}/{ent['path']}: sha256 differs from the manifest (changed or corrupted "
                             f"after verification)")

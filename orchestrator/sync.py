@@ -1,7 +1,8 @@
 """Publish verified checkpoints to persistent storage, restore them, and a sidecar thread that keeps syncing.
 
 Publication is atomic: copy into `<persistent>/.partial-<name>/`, fsync, verify the copy against the manifest
-(sizes + sha256), then rename to `<persistent>/<name>`. Only `.partial-*` names are ever incomplete. A staging
+(sizes + sha256; tailhash hashes and flushes each file behind rsync's writes, so both cost little beyond the
+copy), then rename to `<persistent>/<name>`. Only `.partial-*` names are ever incomplete. A staging
 dir left by a killed sync is reused (rsync skips files already there), so a retry resumes file by file.
 """
 from __future__ import annotations
@@ -16,11 +17,12 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator import checkpoints as ck
+from orchestrator.tailhash import TailHasher
 
 log = logging.getLogger(__name__)
 LOCK = ".orchestrator-sync.lock"
@@ -162,10 +164,13 @@ def _try_link(a: Path, b: Path) -> bool:
         return False
 
 
-def _fsync_tree(root: Path) -> None:
+def _fsync_tree(root: Path, done: Collection[str] = ()) -> None:
     for dirpath, _, filenames in os.walk(root):
         for fn in filenames:
-            fd = os.open(os.path.join(dirpath, fn), os.O_RDONLY)
+            path = os.path.join(dirpath, fn)
+            if os.path.relpath(path, root) in done:
+                continue
+            fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
@@ -173,22 +178,25 @@ def _fsync_tree(root: Path) -> None:
         ck.fsync_dir(dirpath)
 
 
-def _copy(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, ...], lock_fd: int | None,
-          bwlimit_kib: int | None, cancel: threading.Event | None) -> int:
+def _copy(src: Path, dst: Path, manifest: Mapping, link_dest: Path | None, excludes: tuple[str, ...],
+          lock_fd: int | None, bwlimit_kib: int | None, cancel: threading.Event | None) -> tuple[int, dict[str, str]]:
+    """Copy and fsync src into dst; returns bytes copied and the sha256 of files hashed during the copy."""
     dst.mkdir(parents=True, exist_ok=True)
     excludes = (*excludes, ck.MANIFEST, f".{ck.MANIFEST}.tmp-*")
-    if shutil.which("rsync"):
-        n = _rsync(src, dst, link_dest, excludes, lock_fd, bwlimit_kib, cancel)
-    else:
-        n = _pycopy(src, dst, link_dest, excludes, cancel)
-    _fsync_tree(dst)
-    return n
+    with TailHasher(dst, [f["path"] for f in manifest["files"]]) as hasher:
+        if shutil.which("rsync"):
+            n = _rsync(src, dst, link_dest, excludes, lock_fd, bwlimit_kib, cancel)
+        else:
+            n = _pycopy(src, dst, link_dest, excludes, cancel)
+    digests = hasher.digests()
+    _fsync_tree(dst, done=digests)
+    return n, digests
 
 
-def _check_copy(dst: Path, manifest: Mapping) -> list[str]:
+def _check_copy(dst: Path, manifest: Mapping, known: Mapping[str, str]) -> list[str]:
     extra = sorted(set(ck.list_files(dst)) - {f["path"] for f in manifest["files"]})
     problems = [f"{dst.name}/{r}: not in the manifest" for r in extra[:3]]
-    return problems + ck.manifest_matches(dst, manifest)
+    return problems + ck.manifest_matches(dst, manifest, known=known)
 
 
 def _need_bytes(src: Path, manifest: Mapping, staging: Path, link_dest: Path | None) -> int:
@@ -217,7 +225,8 @@ def _publish(src: Path, persistent: Path, manifest: dict, link_dest: Path | None
         free = shutil.disk_usage(persistent).free
         if free < need:
             return 0, space_problem(persistent, free, need)
-        n = _copy(src, staging, link_dest, opts["excludes"], opts["lock_fd"], opts["bwlimit_kib"], opts["cancel"])
+        n, digests = _copy(src, staging, manifest, link_dest, opts["excludes"], opts["lock_fd"], opts["bwlimit_kib"],
+                           opts["cancel"])
     except OSError as e:
         if opts["cancel"] is not None and opts["cancel"].is_set():
             return 0, CANCELLED  # the staging dir stays: the next round resumes it
@@ -225,7 +234,7 @@ def _publish(src: Path, persistent: Path, manifest: dict, link_dest: Path | None
             shutil.rmtree(staging, ignore_errors=True)  # nothing to resume, or the space is needed back
         gone = " (deleted locally during the copy: save_total_limit rotation?)" if not src.exists() else ""
         return 0, f"copying {name} to {persistent} failed{gone}: {e}"
-    bad = _check_copy(staging, manifest)
+    bad = _check_copy(staging, manifest, digests)
     if bad:
         shutil.rmtree(staging, ignore_errors=True)
         if link_dest is not None:  # a quick-check false match against the previous copy: copy it all
@@ -410,8 +419,8 @@ def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, st
         if free < need:
             raise SyncError(f"output_dir {out} has {free / GIB:.1f} GiB free, needs {need / GIB:.1f} GiB")
         try:
-            _copy(persistent / name, staging, None, (), None, None, None)
-            bad = _check_copy(staging, m)
+            _, digests = _copy(persistent / name, staging, m, None, (), None, None, None)
+            bad = _check_copy(staging, m, digests)
             if not bad:
                 ck.write_json_atomic(staging / ck.MANIFEST, m)
                 os.rename(staging, final)
