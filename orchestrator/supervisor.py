@@ -23,22 +23,21 @@ import re
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator import checkpoints, classify, gpu, launcher, plan, policy
+from orchestrator import classify, gpu, launcher, plan, policy
 from orchestrator.journal import Journal, journal_path
 from orchestrator.metrics import Metrics
 from orchestrator.notify import Heartbeat, Notifier
 from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
 from orchestrator.render.command import render_command
 from orchestrator.report import goodput_of
+from orchestrator.run_checkpoints import RunCheckpoints
 from orchestrator.rundir import RunLock, place, run_id, state_dir
 from orchestrator.sidecar import Sidecar
 from orchestrator.spot import from_recipe as spot_notice
-from orchestrator.types import (TERMINAL_STATES, Action, Attempt, Crash, CrashClass, Decision, ExitCode, Phase,
-                                Resume, State)
+from orchestrator.types import TERMINAL_STATES, Action, Attempt, Crash, CrashClass, Decision, ExitCode, Phase, State
 from orchestrator.watch import AttemptWatch
 
 CHECKPOINT_SCAN_S = 2.0
@@ -63,7 +62,6 @@ class Supervisor:
         self.decision: Decision | None = None
         self.crash: Crash | None = None
         self.port: int | None = None
-        self.seen_checkpoints: dict[str, bool] = {}
         self.good_step_at_launch = -1
         self.gpu_backoff_s = 0.0
         self.exit_reason = ""
@@ -75,8 +73,8 @@ class Supervisor:
         self.goodput_at = 0.0
         self.metrics_port: int | None = None
         self.last_scan = 0.0
-        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
-        self.journal: Journal | None = None   # set in preflight, with the lock and the sync sidecar
+        self.journal: Journal | None = None   # set in preflight, with the lock, checkpoints and the sync sidecar
+        self.checkpoints: RunCheckpoints | None = None
         self.sidecar: Sidecar | None = None
         self.lock: RunLock | None = None
         if install_signals:
@@ -148,10 +146,14 @@ class Supervisor:
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
+        # the sidecar starts below, after any quarantine, so it never publishes a poisoned checkpoint
+        self.checkpoints = RunCheckpoints(r, self.hash, self.out, self.journal, self.metrics,
+                                          on_saved=lambda: self.sidecar.trigger(),
+                                          restore=lambda: self.sidecar.restore_newest())
         previous = self.journal.get_all()
         pending = previous.get("nan_pending")
         if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
-            self._quarantine(pending["step"], pending["attempt"])
+            self.checkpoints.quarantine(pending["step"], pending["attempt"])
         self.attempts = len(self.journal.attempts())
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
@@ -207,7 +209,7 @@ class Supervisor:
 
     def _launch(self) -> State:
         r, now = self.recipe, self.clock()
-        resume = self._resume_point()
+        resume = self.checkpoints.resume_point()
         lo, hi = r.supervisor.port_range
         if self.port is None or (self.decision and self.decision.new_port) or not plan.port_free(self.port):
             self.port = plan.first_free_port(lo, hi, avoid={self.port} if self.port else set())
@@ -225,9 +227,7 @@ class Supervisor:
         self._record(replace(self._current, pid=launched.pid, pid_start_time=launched.create_time))
         self.attempt = AttemptWatch.start(self.attempts, launched, self.port, resume, self.out)
         self.good_step_at_launch = resume.step if resume else -1
-        # The new attempt rewrites any checkpoint after its resume point: verify those afresh.
-        self.seen_checkpoints = {p: ok for p, ok in self.seen_checkpoints.items()
-                                 if _step(p) <= self.good_step_at_launch}
+        self.checkpoints.forget_after(self.good_step_at_launch)
         self.journal.event("launch", f"attempt {self.attempts} pid {launched.pid} port {self.port}"
                            + (f" resuming from {resume.path}" if resume else " fresh"), argv=list(cmd.argv))
         if self.attempts > 1:
@@ -284,7 +284,7 @@ class Supervisor:
 
     def _decide(self) -> State:
         now, crash = self.clock(), self.crash
-        progressed = self._newest_good_step() > self.good_step_at_launch
+        progressed = self.checkpoints.newest_good_step() > self.good_step_at_launch
         self.decision = policy.decide(crash, self.history, self.recipe.supervisor, now, progressed)
         self.history = policy.next_history(self.history, crash, now, progressed)
         self.metrics.crash(crash.cls)
@@ -301,7 +301,7 @@ class Supervisor:
             self.journal.event("cleanup", f"SIGKILLed {len(killed)} process(es) that ignored SIGTERM", pids=killed)
         self._finish_attempt(self.crash)
         if self.crash.cls is CrashClass.NAN_LOSS and self.attempt.bad_step is not None:
-            self._quarantine(self.attempt.bad_step, self.attempt.n)
+            self.checkpoints.quarantine(self.attempt.bad_step, self.attempt.n)
         self.journal.span(started, self.clock(), "cleanup")
         if self.decision.action is Action.GIVE_UP:
             self.exit_reason = self.decision.reason
@@ -363,85 +363,12 @@ class Supervisor:
         self.journal.event("gpus_not_clear", "; ".join(problems), killed_own=sorted(own), killed_foreign=allowed,
                            spared_foreign=spared)
 
-    def _resume_point(self) -> Resume | None:
-        best = None
-        for info in checkpoints.scan(self.out, self.recipe.run.backend, self._lora_expect(), newest_first=True):
-            best, passed = checkpoints.pick_resume([info], {info.path: checkpoints.read_manifest(info.path)},
-                                                   self.hash, require_manifest=False)
-            for why in passed:
-                self.journal.event("resume_skip", why)
-            if best is not None:  # newest first: stop at the first acceptable one
-                break
-        if best is None:
-            best = self.sidecar.restore_newest()
-            if best is None:
-                return None
-        return Resume(best.path, best.step, weights_only=not self.recipe.checkpoint.keep_optimizer)
-
-    def _lora_expect(self) -> checkpoints.LoraExpect:
-        lora = self.recipe.lora
-        return checkpoints.LoraExpect(lora.rank, lora.alpha, tuple(lora.target_modules))
-
     def _scan_checkpoints(self, now: float) -> None:
         if now - self.last_scan < CHECKPOINT_SCAN_S and self.state is State.RUNNING \
                 and not self.attempt.launched.exited.is_set():
             return
         self.last_scan = now
-        for info in checkpoints.discover(self.out, self.recipe.run.backend, self._lora_expect(),
-                                         skip=self.seen_checkpoints):
-            if not info.complete:
-                continue
-            self.seen_checkpoints[info.path] = info.ok
-            self.journal.record_checkpoint(info.step, info.path, info.ok, info.problems, info.loss, self.hash)
-            if info.ok:
-                self.metrics.checkpoint_saved(info.step, _mtime(info.path, now))
-                self.journal.event("checkpoint", f"verified {Path(info.path).name}")
-                if checkpoints.read_manifest(info.path) is None:
-                    # Hashing a large checkpoint takes seconds to minutes: never in the loop.
-                    self.hasher.submit(checkpoints.write_manifest, info.path, info.step, self.hash,
-                                       info.loss).add_done_callback(lambda _f: self.sidecar.trigger())
-                else:
-                    self.sidecar.trigger()
-            else:
-                self.metrics.checkpoint_invalid()
-                self.metrics.alert("checkpoint_invalid", True)
-                self.journal.event("checkpoint_invalid", f"{Path(info.path).name}: " + "; ".join(info.problems))
-
-    def _newest_good_step(self) -> int:
-        return max((_step(p) for p, ok in self.seen_checkpoints.items() if ok), default=-1)
-
-    def _quarantine(self, nan_step: int, attempt_n: int) -> None:
-        """Checkpoints from the NaN step on (a save on the SIGTERM that stopped the attempt, say) may
-        hold poisoned weights: move them out of the resume path, keeping the data for a person."""
-        for d in sorted(self.out.glob("checkpoint-*")):
-            m = checkpoints.CKPT_RE.fullmatch(d.name) or checkpoints.MERGED_RE.fullmatch(d.name)
-            if m and int(m.group(1)) >= nan_step:
-                target = d.with_name(f"{d.name}.nan-attempt-{attempt_n}")
-                d.rename(target)
-                self.seen_checkpoints.pop(str(d), None)
-                self.journal.event("quarantine", f"{d.name} was written at or after the NaN at step {nan_step}: "
-                                   f"moved to {target.name}, never resumed from")
-        self._repoint_last_checkpoint(nan_step)
-        self.journal.put(nan_pending=None)
-
-    def _repoint_last_checkpoint(self, below: int) -> None:
-        """ms-swift's last-checkpoint must not name a quarantined step: the relaunch writes a new,
-        maybe unfinished, directory of that name, which the stale link would vouch for."""
-        link = self.out / "last-checkpoint"
-        try:
-            if _step(os.readlink(link)) < below:
-                return
-        except (OSError, ValueError, IndexError):
-            return
-        kept = sorted((d for d in self.out.glob("checkpoint-*") if checkpoints.CKPT_RE.fullmatch(d.name)
-                       and _step(str(d)) < below), key=lambda d: _step(str(d)))
-        if kept:
-            tmp = link.with_name("last-checkpoint.orchestrator-tmp")
-            tmp.unlink(missing_ok=True)
-            tmp.symlink_to(kept[-1].name)
-            os.replace(tmp, link)
-        else:
-            link.unlink()
+        self.checkpoints.scan(now)
 
     def _resume_divergence(self) -> str | None:
         a = self.attempt
@@ -479,7 +406,7 @@ class Supervisor:
         if self.state is State.GAVE_UP:
             self.journal.event("gave_up", self.exit_reason)
         self.notifier.stopping(f"{self.state.value}: final sync")  # disarms the watchdog for the final sync
-        self.hasher.shutdown(wait=True)  # manifests first: the final sync publishes what they describe
+        self.checkpoints.close()  # manifests first: the final sync publishes what they describe
         self.sidecar.stop(final_sync=True)
         self.goodput_at = 0.0
         self._pass_done()  # final goodput and sync figures
@@ -490,13 +417,3 @@ class Supervisor:
         self.journal.close()
         self.lock.release()
 
-
-def _mtime(path: str, default: float) -> float:
-    try:
-        return Path(path).stat().st_mtime
-    except OSError:
-        return default
-
-
-def _step(checkpoint_path: str) -> int:
-    return int(Path(checkpoint_path).name.split("-")[1])

@@ -856,6 +856,18 @@ class Run:
         slots.sort(key=lambda s: s[0])
         classes = [C(k.split("@")[0]) for k in fired]
         n, m = len(slots), len(classes)
+
+        def reach(j: int) -> list[int]:
+            """Where an excused attempt can leave the fault list, fewest faults first: a trainer orphaned by a
+            killed supervisor trains on through NaNs (nobody stops it) until one more fault or its successor."""
+            out, k = [j], j
+            while k < m:
+                out.append(k + 1)
+                if classes[k] is not C.NAN_LOSS:
+                    break
+                k += 1
+            return out
+
         ok = [[False] * (m + 1) for _ in range(n + 1)]
         ok[n][m] = True
         for i in range(n - 1, -1, -1):
@@ -866,7 +878,7 @@ class Run:
                 elif kind == "completed":
                     ok[i][j] = ok[i + 1][j]
                 else:
-                    ok[i][j] = ok[i + 1][j] or (j < m and ok[i + 1][j + 1])
+                    ok[i][j] = any(ok[i + 1][t] for t in reach(j))
         if not ok[0][0]:
             rows = [f"{s[1]}:{s[2].value if s[2] else '-'}(#{s[3]})" for s in slots]
             v.append(f"classified attempts do not match the injected faults in order:\n    attempts {rows}\n"
@@ -878,9 +890,11 @@ class Run:
             if kind == "classified":
                 self.res.classified[slots[i][2].value] += 1
                 j += 1
-            elif kind != "completed" and not ok[i + 1][j] and j < m and ok[i + 1][j + 1]:
-                self.res.excused[classes[j].value] += 1
-                j += 1
+            elif kind != "completed":
+                t = next(t for t in reach(j) if ok[i + 1][t])
+                for c in classes[j:t]:
+                    self.res.excused[c.value] += 1
+                j = t
             i += 1
         # how the hangs and port clashes were handled
         by_n = {a.n: a for a in attempts}
@@ -902,10 +916,12 @@ class Run:
         the first step an attempt logs is start_step + 1."""
         v = self.res.violations
         poisoned: list[tuple[int, float, float]] = []  # (nan step, attempt started_at, ended_at)
+        quarantined = " ".join(e["message"] for e in journal_events(self.out, "quarantine"))
         prev_start = -1
         for a in attempts:
             steps, nan = attempt_steps(a.log_path)
-            if a.cls is C.NAN_LOSS and nan is not None:
+            # a NaN attempt whose supervisor was killed before classifying it is quarantined by the successor
+            if nan is not None and (a.cls is C.NAN_LOSS or f"nan-attempt-{a.n}" in quarantined):
                 poisoned.append((nan, a.started_at, a.ended_at or time.time()))
             if steps and steps[0] != (a.start_step or 0) + 1:
                 v.append(f"attempt {a.n} started at step {a.start_step} but first logged step {steps[0]}")

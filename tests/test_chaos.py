@@ -108,6 +108,7 @@ def test_nan_logged_just_before_a_crash_is_not_resumed_past(tmp_path):
 
 def test_nan_quarantine_survives_a_supervisor_killed_before_it(tmp_path, monkeypatch):
     from orchestrator.recipe import load
+    from orchestrator.run_checkpoints import RunCheckpoints
     from orchestrator.supervisor import Supervisor
 
     recipe = write_recipe(tmp_path, iterations=200, faults="nan_loss@19", supervisor={"poll_s": 0.5})
@@ -115,7 +116,7 @@ def test_nan_quarantine_survives_a_supervisor_killed_before_it(tmp_path, monkeyp
     def killed(self, *args):
         raise _Killed()
 
-    monkeypatch.setattr(Supervisor, "_quarantine", killed)
+    monkeypatch.setattr(RunCheckpoints, "quarantine", killed)
     with pytest.raises(_Killed):
         Supervisor(load(recipe), install_signals=False).run()
     monkeypatch.undo()
