@@ -276,6 +276,7 @@ FIRST_VERIFY = textwrap.dedent('''\
     import sys, time
     import orchestrator.supervisor  # everything the supervisor has imported when it finds its first checkpoint
     from orchestrator import checkpoints
+    from orchestrator import manifest
     times = []
     for _ in range(2):
         t = time.perf_counter()
@@ -335,6 +336,7 @@ def _earlier_attempt(out: Path, steps: int, save_steps: int, recipe: Path, *over
     """Checkpoints left by an earlier attempt under an earlier supervisor: the fake trainer run directly at
     full speed, then each checkpoint given the manifest that supervisor would have written."""
     from orchestrator import checkpoints
+    from orchestrator.manifest import write_manifest
     from orchestrator.recipe import recipe_hash
     env = {**os.environ, "FAKE_STEP_S": "0", "FAKE_STARTUP_S": "0"}
     subprocess.run([sys.executable, FAKE, "sft", "--output_dir", str(out), "--train_iters", str(steps),
@@ -342,7 +344,7 @@ def _earlier_attempt(out: Path, steps: int, save_steps: int, recipe: Path, *over
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     h = recipe_hash(load(recipe, list(overrides)))
     for info in checkpoints.discover(out, "megatron"):
-        checkpoints.write_manifest(info.path, info.step, h, info.loss)
+        write_manifest(info.path, info.step, h, info.loss)
 
 
 def _footprint(work: Path, steps: int, settle_s: float, poll_s: float = 0.5,

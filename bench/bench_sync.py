@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from safetensors.numpy import save_file
 
-from orchestrator import checkpoints as ck
+from orchestrator import manifest as mf
 from orchestrator import sync
 
 MIB = 1 << 20
@@ -63,8 +63,8 @@ def run(size_mib: int = 1024, files: int = 1000, workdir: str | None = None, rep
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
         src = make_checkpoint(tmp / "out", 100, size_mib * MIB)
-        mib = sum((src / r).stat().st_size for r in ck.list_files(src)) / MIB
-        t_manifest = _timed(lambda: ck.write_manifest(src, 100, "bench"))  # once per checkpoint, at verification
+        mib = sum((src / r).stat().st_size for r in mf.list_files(src)) / MIB
+        t_manifest = _timed(lambda: mf.write_manifest(src, 100, "bench"))  # once per checkpoint, at verification
 
         def plain(dst: Path) -> None:
             subprocess.run(["rsync", "-a", f"{src}/", f"{dst}/"], check=True)
@@ -104,7 +104,7 @@ def run(size_mib: int = 1024, files: int = 1000, workdir: str | None = None, rep
         shutil.rmtree(tmp / "out")
 
         make_checkpoint(tmp / "out2", 200, 4 * MIB, files=files)
-        n_files = len(ck.list_files(tmp / "out2" / "checkpoint-200"))
+        n_files = len(mf.list_files(tmp / "out2" / "checkpoint-200"))
         r = sync.sync_once(tmp / "out2", tmp / "pers2", "swift", "bench")
         assert r.ok and r.copied, r
         resync = []

@@ -13,7 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 from orchestrator import goodput, progress
-from orchestrator.checkpoints import CKPT_RE, read_manifest
+from orchestrator.checkpoints import CKPT_RE
+from orchestrator.manifest import read_manifest
 from orchestrator.journal import Journal, journal_path
 from orchestrator.recipe import Recipe
 from orchestrator.rundir import state_dir

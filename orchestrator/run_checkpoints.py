@@ -7,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from orchestrator import checkpoints
+from orchestrator import checkpoints, manifest
 from orchestrator.journal import Journal
 from orchestrator.metrics import Metrics
 from orchestrator.recipe import Recipe
@@ -35,9 +35,9 @@ class RunCheckpoints:
             if info.ok:
                 self.metrics.checkpoint_saved(info.step, _mtime(info.path, now))
                 self.journal.event("checkpoint", f"verified {Path(info.path).name}")
-                if checkpoints.read_manifest(info.path) is None:
+                if manifest.read_manifest(info.path) is None:
                     # Hashing a large checkpoint takes seconds to minutes: never in the loop.
-                    self.hasher.submit(checkpoints.write_manifest, info.path, info.step, self.hash,
+                    self.hasher.submit(manifest.write_manifest, info.path, info.step, self.hash,
                                        info.loss).add_done_callback(lambda _f: self.on_saved())
                 else:
                     self.on_saved()
@@ -56,7 +56,7 @@ class RunCheckpoints:
     def resume_point(self) -> Resume | None:
         best = None
         for info in checkpoints.scan(self.out, self.recipe.run.backend, self.expect, newest_first=True):
-            best, passed = checkpoints.pick_resume([info], {info.path: checkpoints.read_manifest(info.path)},
+            best, passed = checkpoints.pick_resume([info], {info.path: manifest.read_manifest(info.path)},
                                                    self.hash, require_manifest=False)
             for why in passed:
                 self.journal.event("resume_skip", why)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from orchestrator import checkpoints, sync
+from orchestrator import checkpoints, manifest, sync
 from orchestrator.recipe import Recipe, recipe_hash
 from orchestrator.types import CheckpointInfo
 
@@ -82,8 +82,8 @@ class Sidecar:
         steps = []
         for d in persistent.glob("checkpoint-*"):
             m = checkpoints.CKPT_RE.fullmatch(d.name)
-            manifest = checkpoints.read_manifest(d) if m else None
-            if manifest and manifest.get("recipe_hash") == self.hash:
+            published = manifest.read_manifest(d) if m else None
+            if published and published.get("recipe_hash") == self.hash:
                 steps.append(int(m.group(1)))
         for step in sorted(steps, reverse=True):
             try:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator import checkpoints as ck
+from orchestrator import manifest as mf
 from orchestrator.tailhash import TailHasher
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def _same_file(a: os.stat_result, b: Path) -> bool:
 def _pycopy(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, ...],
             cancel: threading.Event | None) -> int:
     """Pure-Python stand-in for the rsync call (no rsync binary): same skip/link rules, temp name + rename."""
-    wanted = [r for r in ck.list_files(src) if not any(fnmatch.fnmatch(r, p) for p in excludes)]
+    wanted = [r for r in mf.list_files(src) if not any(fnmatch.fnmatch(r, p) for p in excludes)]
     copied = 0
     for rel in wanted:
         if cancel is not None and cancel.is_set():
@@ -150,7 +151,7 @@ def _pycopy(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, .
             copied += st.st_size
         os.replace(tmp, target)
     keep = set(wanted)
-    for rel in ck.list_files(dst):  # like --delete: drop what the source no longer has
+    for rel in mf.list_files(dst):  # like --delete: drop what the source no longer has
         if rel not in keep:
             (dst / rel).unlink()
     return copied
@@ -175,14 +176,14 @@ def _fsync_tree(root: Path, done: Collection[str] = ()) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        ck.fsync_dir(dirpath)
+        mf.fsync_dir(dirpath)
 
 
 def _copy(src: Path, dst: Path, manifest: Mapping, link_dest: Path | None, excludes: tuple[str, ...],
           lock_fd: int | None, bwlimit_kib: int | None, cancel: threading.Event | None) -> tuple[int, dict[str, str]]:
     """Copy and fsync src into dst; returns bytes copied and the sha256 of files hashed during the copy."""
     dst.mkdir(parents=True, exist_ok=True)
-    excludes = (*excludes, ck.MANIFEST, f".{ck.MANIFEST}.tmp-*")
+    excludes = (*excludes, mf.MANIFEST, f".{mf.MANIFEST}.tmp-*")
     with TailHasher(dst, [f["path"] for f in manifest["files"]]) as hasher:
         if shutil.which("rsync"):
             n = _rsync(src, dst, link_dest, excludes, lock_fd, bwlimit_kib, cancel)
@@ -194,9 +195,9 @@ def _copy(src: Path, dst: Path, manifest: Mapping, link_dest: Path | None, exclu
 
 
 def _check_copy(dst: Path, manifest: Mapping, known: Mapping[str, str]) -> list[str]:
-    extra = sorted(set(ck.list_files(dst)) - {f["path"] for f in manifest["files"]})
+    extra = sorted(set(mf.list_files(dst)) - {f["path"] for f in manifest["files"]})
     problems = [f"{dst.name}/{r}: not in the manifest" for r in extra[:3]]
-    return problems + ck.manifest_matches(dst, manifest, known=known)
+    return problems + mf.manifest_matches(dst, manifest, known=known)
 
 
 def _need_bytes(src: Path, manifest: Mapping, staging: Path, link_dest: Path | None) -> int:
@@ -212,7 +213,7 @@ def _remove(path: Path) -> None:
     """Rename out of sight first, so a reader never sees a half-deleted checkpoint."""
     gone = path.with_name(f"{PARTIAL}deleting-{path.name}-{os.getpid()}")
     os.rename(path, gone)
-    ck.fsync_dir(path.parent)
+    mf.fsync_dir(path.parent)
     shutil.rmtree(gone, ignore_errors=True)
 
 
@@ -241,11 +242,11 @@ def _publish(src: Path, persistent: Path, manifest: dict, link_dest: Path | None
             m, why = _publish(src, persistent, manifest, None, opts)
             return n + m, why
         return n, f"{name}: the copy in {persistent} does not match its manifest ({bad[0]}); it will be retried"
-    ck.write_json_atomic(staging / ck.MANIFEST, manifest)
+    mf.write_json_atomic(staging / mf.MANIFEST, manifest)
     if final.exists():  # republish after the local checkpoint changed (e.g. re-saved after a resume)
         _remove(final)
     os.rename(staging, final)
-    ck.fsync_dir(persistent)
+    mf.fsync_dir(persistent)
     return n, None
 
 
@@ -271,7 +272,7 @@ def _open_lock(persistent: Path, wait_s: float = 0.0) -> int:
 
 
 def _published(persistent: Path) -> dict[str, dict | None]:
-    return {e.name: ck.read_manifest(e) for e in persistent.iterdir()
+    return {e.name: mf.read_manifest(e) for e in persistent.iterdir()
             if (ck.CKPT_RE.fullmatch(e.name) or ck.MERGED_RE.fullmatch(e.name)) and e.is_dir()}
 
 
@@ -284,10 +285,10 @@ def _losses(pub: Mapping[str, Mapping | None]) -> dict[int, float | None]:
 
 
 def _local_manifest(path: Path, step: int, recipe_hash: str | None, loss: float | None) -> dict:
-    m = ck.read_manifest(path)
-    if m is None or ck.manifest_stale(path, m):
-        m = ck.build_manifest(path, step, recipe_hash, loss)
-        ck.write_json_atomic(path / ck.MANIFEST, m)
+    m = mf.read_manifest(path)
+    if m is None or mf.manifest_stale(path, m):
+        m = mf.build_manifest(path, step, recipe_hash, loss)
+        mf.write_json_atomic(path / mf.MANIFEST, m)
     return m
 
 
@@ -410,9 +411,9 @@ def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, st
     for name in names:
         m, final, staging = pub[name], out / name, out / f"{PARTIAL}{name}"
         if m is None:
-            raise SyncError(f"{persistent / name} has no {ck.MANIFEST}: it cannot be verified; not restoring it")
+            raise SyncError(f"{persistent / name} has no {mf.MANIFEST}: it cannot be verified; not restoring it")
         if final.exists():
-            if same_content(ck.read_manifest(final), m) and not ck.manifest_matches(final, m):
+            if same_content(mf.read_manifest(final), m) and not mf.manifest_matches(final, m):
                 continue
             raise SyncError(f"{final} exists and differs from the published copy: move it away, then restore")
         need, free = sum(f["size"] for f in m["files"]), shutil.disk_usage(out).free
@@ -422,9 +423,9 @@ def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, st
             _, digests = _copy(persistent / name, staging, m, None, (), None, None, None)
             bad = _check_copy(staging, m, digests)
             if not bad:
-                ck.write_json_atomic(staging / ck.MANIFEST, m)
+                mf.write_json_atomic(staging / mf.MANIFEST, m)
                 os.rename(staging, final)
-                ck.fsync_dir(out)
+                mf.fsync_dir(out)
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)
             raise SyncError(f"restoring {name} from {persistent} into {out} failed: {e}") from e

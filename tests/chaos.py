@@ -76,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from supervised import write_recipe  # noqa: E402
 
 from orchestrator import checkpoints as ck  # noqa: E402
+from orchestrator import manifest as mf  # noqa: E402
 from orchestrator.journal import Journal, journal_path  # noqa: E402
 from orchestrator.launcher import RUN_MARKER  # noqa: E402
 from orchestrator.recipe import load, recipe_hash  # noqa: E402
@@ -530,7 +531,7 @@ class Sampler(threading.Thread):
                 self.violation(f"attempt {a.n}: start_step {a.start_step} but resumed_from is {p.name}")
             if p.parent != self.out:
                 self.violation(f"attempt {a.n} resumed from {p}, outside output_dir {self.out}")
-            m = ck.read_manifest(p)
+            m = mf.read_manifest(p)
             if m is not None and m.get("recipe_hash") != self.hash:
                 self.violation(f"attempt {a.n} resumed from {p.name} of recipe {m.get('recipe_hash')}")
             try:
@@ -541,7 +542,7 @@ class Sampler(threading.Thread):
 
 
 def check_published(path: Path, h: str, expect: ck.LoraExpect, backend: str) -> list[str]:
-    m = ck.read_manifest(path)
+    m = mf.read_manifest(path)
     if m is None:
         return ["no readable manifest"]
     step = int(path.name.split("-")[1])
@@ -553,8 +554,8 @@ def check_published(path: Path, h: str, expect: ck.LoraExpect, backend: str) -> 
     merged = ck.MERGED_RE.fullmatch(path.name) is not None
     v = ck.verify(path, None if merged else expect, backend=backend)
     problems += list(v.problems)
-    problems += ck.manifest_matches(path, m)
-    extra = set(ck.list_files(path)) - {f["path"] for f in m["files"]}
+    problems += mf.manifest_matches(path, m)
+    extra = set(mf.list_files(path)) - {f["path"] for f in m["files"]}
     problems += [f"{r}: not in the manifest" for r in sorted(extra)[:3]]
     return problems
 

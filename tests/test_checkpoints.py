@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from orchestrator import checkpoints as ck
+from orchestrator import manifest as mf
 from orchestrator.checkpoints import LoraExpect
 from orchestrator.types import CheckpointInfo
 
@@ -369,13 +370,13 @@ def test_manifest_roundtrip_and_checksums(tmp_path):
     d = make_swift(tmp_path, 10)
     (d / "sub").mkdir()
     (d / "sub" / "x.bin").write_bytes(os.urandom(3 << 20))  # > 1 chunk
-    path = ck.write_manifest(d, 10, "abc", loss=0.5)
-    assert path == d / ck.MANIFEST and not [p for p in os.listdir(d) if ".tmp-" in p]
-    m = ck.read_manifest(d)
+    path = mf.write_manifest(d, 10, "abc", loss=0.5)
+    assert path == d / mf.MANIFEST and not [p for p in os.listdir(d) if ".tmp-" in p]
+    m = mf.read_manifest(d)
     assert m["step"] == 10 and m["recipe_hash"] == "abc" and m["loss"] == 0.5 and m["created_at"] > 0
-    assert {f["path"] for f in m["files"]} == set(ck.list_files(d)) and "sub/x.bin" in ck.list_files(d)
-    assert ck.MANIFEST not in ck.list_files(d)
-    assert ck.manifest_matches(d, m) == [] and not ck.manifest_stale(d, m)
+    assert {f["path"] for f in m["files"]} == set(mf.list_files(d)) and "sub/x.bin" in mf.list_files(d)
+    assert mf.MANIFEST not in mf.list_files(d)
+    assert mf.manifest_matches(d, m) == [] and not mf.manifest_stale(d, m)
     assert ck.verify(d, full_checksum=True).ok
     raw = bytearray((d / "optimizer.pt").read_bytes())
     raw[5] ^= 0xFF  # same size, one bit pattern different: only the checksum sees it
@@ -383,12 +384,12 @@ def test_manifest_roundtrip_and_checksums(tmp_path):
     assert ck.verify(d).ok
     v = ck.verify(d, full_checksum=True)
     assert not v.ok and any("optimizer.pt: sha256 differs" in p for p in v.problems)
-    assert ck.manifest_stale(d, m)
+    assert mf.manifest_stale(d, m)
     (d / "scheduler.pt").write_bytes(b"x")
     (d / "rng_state.pth").unlink()
-    probs = ck.manifest_matches(d, m)
+    probs = mf.manifest_matches(d, m)
     assert any("scheduler.pt: 1 bytes" in p for p in probs) and any("rng_state.pth: missing" in p for p in probs)
-    assert ck.read_manifest(tmp_path) is None
+    assert mf.read_manifest(tmp_path) is None
 
 
 def _info(step, ok=True):

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoints import make_megatron, make_merged, make_swift
 
 from orchestrator import checkpoints as ck
+from orchestrator import manifest as mf
 from orchestrator import sync
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def published(p: Path) -> list[str]:
 
 
 def inodes(d: Path) -> dict[str, tuple[int, int]]:
-    return {r: ((d / r).stat().st_ino, (d / r).stat().st_mtime_ns) for r in ck.list_files(d)}
+    return {r: ((d / r).stat().st_ino, (d / r).stat().st_mtime_ns) for r in mf.list_files(d)}
 
 
 def test_publish_then_resync_copies_nothing(tmp_path, copier):
@@ -54,9 +55,9 @@ def test_publish_then_resync_copies_nothing(tmp_path, copier):
     assert r.bytes_copied > 0 and r.lag_steps == 0 and r.lag_s == 0.0 and r.newest_published == 30
     for s in (10, 20, 30):
         local, pub = out / f"checkpoint-{s}", pers / f"checkpoint-{s}"
-        m = ck.read_manifest(local)
+        m = mf.read_manifest(local)
         assert m["recipe_hash"] == "h1" and m["step"] == s  # the manifest was written locally on verification
-        assert sync.same_content(m, ck.read_manifest(pub)) and ck.manifest_matches(pub, m) == []
+        assert sync.same_content(m, mf.read_manifest(pub)) and mf.manifest_matches(pub, m) == []
         assert ck.verify(pub, backend="swift").ok  # trainer_state.json is the marker in the copy
     before = inodes(pers / "checkpoint-30")
     r2 = sync.sync_once(out, pers, "swift", "h1")
@@ -75,7 +76,7 @@ def test_unchanged_files_are_hard_linked_to_the_previous_copy(tmp_path):
     assert r.copied == ("checkpoint-20",)
     a, b = pers / "checkpoint-10" / "README.md", pers / "checkpoint-20" / "README.md"
     assert a.stat().st_ino == b.stat().st_ino  # --link-dest
-    assert ck.manifest_matches(pers / "checkpoint-10", ck.read_manifest(pers / "checkpoint-10")) == []
+    assert mf.manifest_matches(pers / "checkpoint-10", mf.read_manifest(pers / "checkpoint-10")) == []
 
 
 def test_only_verified_checkpoints_are_published(tmp_path, copier):
@@ -90,7 +91,7 @@ def test_only_verified_checkpoints_are_published(tmp_path, copier):
     assert alerts == list(r.problems) and len(alerts) == 1 and alerts[0].startswith("local checkpoint-20/")
     assert any("checkpoint-30: still being written" in s for s in r.skipped)
     assert r.synced  # a corrupt local checkpoint is an alert, not a failed publication
-    assert ck.read_manifest(bad) is None and ck.read_manifest(out / "checkpoint-30") is None
+    assert mf.read_manifest(bad) is None and mf.read_manifest(out / "checkpoint-30") is None
 
 
 def test_retention_keeps_newest_and_best_loss(tmp_path, copier):
@@ -101,7 +102,7 @@ def test_retention_keeps_newest_and_best_loss(tmp_path, copier):
     r = sync.sync_once(out, pers, "swift", "h", keep=2)
     assert published(pers) == ["checkpoint-20", "checkpoint-40", "checkpoint-50"]
     assert any("checkpoint-10: outside retention" in s for s in r.skipped)
-    assert ck.read_manifest(pers / "checkpoint-20")["loss"] == 1.0
+    assert mf.read_manifest(pers / "checkpoint-20")["loss"] == 1.0
     make_swift(out, 60, loss=0.5)
     r = sync.sync_once(out, pers, "swift", "h", keep=2)
     assert r.copied == ("checkpoint-60",) and set(r.deleted) == {"checkpoint-20", "checkpoint-40"}
@@ -130,7 +131,7 @@ def test_merged_and_mcore_selection(tmp_path, copier):
     assert r.ok and set(r.copied) == {"checkpoint-100", "checkpoint-100-merged"}
     assert not list((pers / "checkpoint-100").rglob("*.distcp"))
     assert (pers / "checkpoint-100" / "iter_0000100" / "common.pt").is_file()  # resume still reads the iteration
-    assert ck.read_manifest(pers / "checkpoint-100")["excluded"] == [sync.MCORE_SHARDS]
+    assert mf.read_manifest(pers / "checkpoint-100")["excluded"] == [sync.MCORE_SHARDS]
     assert ck.verify(pers / "checkpoint-100", backend="megatron").ok
     assert ck.verify(pers / "checkpoint-100-merged", backend="megatron").ok
     assert sync.sync_once(out, pers, "megatron", "h", include_mcore=False).copied == ()
@@ -147,8 +148,8 @@ def test_changed_local_checkpoint_is_republished(tmp_path, copier):
     out, pers = tmp_path / "out", tmp_path / "pers"
     d = make_swift(out, 10)
     sync.sync_once(out, pers, "swift", "h")
-    old = (d / ck.MANIFEST).stat().st_mtime_ns - 10**9  # coarse-mtime filesystems: make "later" unambiguous
-    os.utime(d / ck.MANIFEST, ns=(old, old))
+    old = (d / mf.MANIFEST).stat().st_mtime_ns - 10**9  # coarse-mtime filesystems: make "later" unambiguous
+    os.utime(d / mf.MANIFEST, ns=(old, old))
     (d / "optimizer.pt").write_bytes(os.urandom(2048))  # re-saved after a resume from an earlier step
     r = sync.sync_once(out, pers, "swift", "h")
     assert r.copied == ("checkpoint-10",)
@@ -227,7 +228,7 @@ def test_python_fallback_resumes_staging(tmp_path, monkeypatch):
     monkeypatch.setattr(sync.shutil, "which", lambda *a, **k: None)
     out, pers = tmp_path / "out", tmp_path / "pers"
     d = make_swift(out, 10, big=1 << 20)
-    ck.write_manifest(d, 10, "h")
+    mf.write_manifest(d, 10, "h")
     staging = pers / ".partial-checkpoint-10"
     staging.mkdir(parents=True)
     import shutil
@@ -236,9 +237,9 @@ def test_python_fallback_resumes_staging(tmp_path, monkeypatch):
     (staging / "stray").write_bytes(b"x")
     r = sync.sync_once(out, pers, "swift", "h")
     assert r.ok and r.copied == ("checkpoint-10",)
-    total = sum(f["size"] for f in ck.read_manifest(d)["files"])
+    total = sum(f["size"] for f in mf.read_manifest(d)["files"])
     assert r.bytes_copied == total - (1 << 20)
-    assert ck.list_files(pers / "checkpoint-10") == ck.list_files(d)
+    assert mf.list_files(pers / "checkpoint-10") == mf.list_files(d)
 
 
 KILL_SCRIPT = textwrap.dedent("""
@@ -282,9 +283,9 @@ def test_kill_mid_copy_leaves_no_visible_partial_and_resumes(tmp_path):
         os.close(fd)
     r = sync.sync_once(out, pers, "swift", "h")
     assert r.ok and r.copied == ("checkpoint-10",) and published(pers) == ["checkpoint-10"]
-    total = sum(f["size"] for f in ck.read_manifest(d)["files"])
+    total = sum(f["size"] for f in mf.read_manifest(d)["files"])
     assert r.bytes_copied <= total - size  # optimizer.pt was not copied again
-    assert ck.manifest_matches(pers / "checkpoint-10", ck.read_manifest(d)) == []
+    assert mf.manifest_matches(pers / "checkpoint-10", mf.read_manifest(d)) == []
 
 
 def test_restore(tmp_path, copier):
@@ -367,7 +368,7 @@ def test_manifest_json_is_what_we_expect(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10, loss=0.75)
     sync.sync_once(out, pers, "swift", "rh")
-    m = json.loads((pers / "checkpoint-10" / ck.MANIFEST).read_text())
+    m = json.loads((pers / "checkpoint-10" / mf.MANIFEST).read_text())
     assert set(m) >= {"step", "recipe_hash", "created_at", "loss", "files"} and m["loss"] == 0.75
     assert all(set(f) == {"path", "size", "sha256"} for f in m["files"])
     assert (pers / sync.LOCK).exists()  # the lock file stays; it is never a checkpoint
@@ -415,6 +416,6 @@ def test_restore_failures_are_sync_errors(tmp_path):
         sync.restore(pers, blocker / "out", 10)
     with pytest.raises(sync.SyncError, match="cannot read persistent_dir"):
         sync.restore(tmp_path / "missing", tmp_path / "o", 10)
-    (pers / "checkpoint-10" / ck.MANIFEST).unlink()
+    (pers / "checkpoint-10" / mf.MANIFEST).unlink()
     with pytest.raises(sync.SyncError, match="cannot be verified"):
         sync.restore(pers, tmp_path / "o", 10)

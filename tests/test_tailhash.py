@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoints import make_swift
 
-from orchestrator import checkpoints as ck
+from orchestrator import manifest as mf
 from orchestrator import sync
 from orchestrator.tailhash import TailHasher
 
@@ -80,15 +80,15 @@ def test_a_file_changed_after_hashing_loses_its_digest(tmp_path, change):
 
 def test_manifest_check_hashes_only_what_it_was_not_given(tmp_path, monkeypatch):
     d = make_swift(tmp_path / "out", 10)
-    m = ck.build_manifest(d, 10, "h")
+    m = mf.build_manifest(d, 10, "h")
     given = {m["files"][0]["path"]: m["files"][0]["sha256"]}
     hashed = []
-    real = ck._hash_all
-    monkeypatch.setattr(ck, "_hash_all", lambda paths: hashed.extend(paths) or real(paths))
-    assert ck.manifest_matches(d, m, known=given) == []
+    real = mf._hash_all
+    monkeypatch.setattr(mf, "_hash_all", lambda paths: hashed.extend(paths) or real(paths))
+    assert mf.manifest_matches(d, m, known=given) == []
     assert sorted(hashed) == sorted(d / f["path"] for f in m["files"][1:])
     bad = {m["files"][0]["path"]: "0" * 64}
-    assert "sha256 differs" in ck.manifest_matches(d, m, known=bad)[0]
+    assert "sha256 differs" in mf.manifest_matches(d, m, known=bad)[0]
 
 
 def test_publish_compares_the_digests_taken_during_the_copy(tmp_path, monkeypatch):
