@@ -42,13 +42,16 @@ class TailHasher:
         self._pending = list(rels)
         self._done: dict[str, tuple[_Stamp, str]] = {}
         self._copy_ended = threading.Event()
+        self._abandon = threading.Event()  # the copy failed or was cancelled: stop mid-file, do not delay it
         self._thread = threading.Thread(target=self._run, name="tailhash", daemon=True)
 
     def __enter__(self) -> TailHasher:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_exc) -> None:
+        if exc_type is not None:
+            self._abandon.set()
         self._copy_ended.set()
         self._thread.join()
 
@@ -108,6 +111,8 @@ class TailHasher:
         try:
             h, pos, flushed = hashlib.sha256(), 0, 0
             while True:
+                if self._abandon.is_set():
+                    return None
                 n = os.readv(fd, [buf])
                 if n:
                     h.update(buf[:n])

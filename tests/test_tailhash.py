@@ -98,3 +98,14 @@ def test_publish_compares_the_digests_taken_during_the_copy(tmp_path, monkeypatc
     r = sync.sync_once(tmp_path / "out", tmp_path / "pers", "swift", "h")
     assert not r.ok and "does not match its manifest" in r.problems[0]
     assert not (tmp_path / "pers" / "checkpoint-10").exists()
+
+
+def test_a_failed_copy_does_not_wait_for_hashing(tmp_path):
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(8 << 30)  # sparse: 8 GiB of zeros to read, far longer than the test takes
+    with pytest.raises(OSError):
+        with TailHasher(tmp_path, ["big.bin"]) as hasher:
+            wait_until(lambda: opened_by_us(big))
+            raise OSError("rsync exit 20: cancelled")
+    assert hasher.digests() == {} and not opened_by_us(big)
