@@ -1,7 +1,7 @@
 """Publish verified checkpoints to persistent storage, restore them, and a sidecar thread that keeps syncing.
 
 Publication is atomic: copy into `<persistent>/.partial-<name>/`, fsync, verify the copy against the manifest
-(sizes + sha256; tailhash hashes and flushes each file behind rsync's writes, so both cost little beyond the
+(sizes + sha256; copytree hashes and flushes each file behind rsync's writes, so both cost little beyond the
 copy), then rename to `<persistent>/<name>`. Only `.partial-*` names are ever incomplete. A staging
 dir left by a killed sync is reused (rsync skips files already there), so a retry resumes file by file.
 """
@@ -12,18 +12,16 @@ import fnmatch
 import logging
 import math
 import os
-import re
 import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator import checkpoints as ck
 from orchestrator import manifest as mf
-from orchestrator.tailhash import TailHasher
+from orchestrator.copytree import copy_tree, same_file
 
 log = logging.getLogger(__name__)
 LOCK = ".orchestrator-sync.lock"
@@ -89,109 +87,10 @@ def space_problem(persistent: Path, free: int, need: int) -> str:
             f"free space or lower retention")
 
 
-# ---------------------------------------------------------------- copying
-
-def _rsync(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, ...], keep_fd: int | None,
-           bwlimit_kib: int | None, cancel: threading.Event | None) -> int:
-    """rsync src/ into dst/; returns bytes transferred. Raises OSError with rsync's message on failure."""
-    # Writes go to a temp name and are renamed (no --inplace), so hard links into published copies made
-    # by --link-dest are never modified; --delete(-excluded) clears temp files and leftovers of a killed
-    # attempt (a local copy is whole-file, so a partial file would not speed up a retry anyway);
-    # --modify-window=-1 compares mtimes to the nanosecond (whole seconds would link same-size files
-    # saved within one second of each other).
-    argv = [shutil.which("rsync") or "rsync", "-a", "--delete", "--delete-excluded", "--stats", "--no-human-readable",
-            "--modify-window=-1", *(f"--exclude=/{p}" for p in excludes)]
-    if link_dest is not None:
-        argv.append(f"--link-dest={link_dest}")
-    if bwlimit_kib:
-        argv.append(f"--bwlimit={bwlimit_kib}")
-    argv += [f"{src}/", f"{dst}/"]
-    # the lock fd is inherited: an rsync orphaned by a killed supervisor keeps the lock until it exits
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            pass_fds=(keep_fd,) if keep_fd is not None else ())
-    while True:
-        try:
-            out, err = proc.communicate(timeout=None if cancel is None else 0.5)
-            break
-        except subprocess.TimeoutExpired:
-            if cancel is not None and cancel.is_set():
-                proc.terminate()
-    if proc.returncode != 0:
-        lines = [ln for ln in err.splitlines() if ln.strip()]
-        raise OSError(f"rsync exit {proc.returncode}: {lines[-1] if lines else 'no message'}")
-    m = re.search(r"Total transferred file size: ([\d,.]+)", out)
-    return int(re.sub(r"\D", "", m.group(1))) if m else 0
-
-
-def _same_file(a: os.stat_result, b: Path) -> bool:
-    try:
-        st = b.stat()
-    except OSError:
-        return False
-    return st.st_size == a.st_size and st.st_mtime_ns == a.st_mtime_ns
-
-
-def _pycopy(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, ...],
-            cancel: threading.Event | None) -> int:
-    """Pure-Python stand-in for the rsync call (no rsync binary): same skip/link rules, temp name + rename."""
-    wanted = [r for r in mf.list_files(src) if not any(fnmatch.fnmatch(r, p) for p in excludes)]
-    copied = 0
-    for rel in wanted:
-        if cancel is not None and cancel.is_set():
-            raise OSError("cancelled")
-        st, target = (src / rel).stat(), dst / rel
-        if _same_file(st, target):
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.orch-tmp")
-        tmp.unlink(missing_ok=True)
-        if not (link_dest is not None and _same_file(st, link_dest / rel) and _try_link(link_dest / rel, tmp)):
-            shutil.copyfile(src / rel, tmp)
-            shutil.copystat(src / rel, tmp)
-            copied += st.st_size
-        os.replace(tmp, target)
-    keep = set(wanted)
-    for rel in mf.list_files(dst):  # like --delete: drop what the source no longer has
-        if rel not in keep:
-            (dst / rel).unlink()
-    return copied
-
-
-def _try_link(a: Path, b: Path) -> bool:
-    try:
-        os.link(a, b)
-        return True
-    except OSError:  # a filesystem without hard links: copy instead
-        return False
-
-
-def _fsync_tree(root: Path, done: Collection[str] = ()) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for fn in filenames:
-            path = os.path.join(dirpath, fn)
-            if os.path.relpath(path, root) in done:
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        mf.fsync_dir(dirpath)
-
-
 def _copy(src: Path, dst: Path, manifest: Mapping, link_dest: Path | None, excludes: tuple[str, ...],
           lock_fd: int | None, bwlimit_kib: int | None, cancel: threading.Event | None) -> tuple[int, dict[str, str]]:
-    """Copy and fsync src into dst; returns bytes copied and the sha256 of files hashed during the copy."""
-    dst.mkdir(parents=True, exist_ok=True)
-    excludes = (*excludes, mf.MANIFEST, f".{mf.MANIFEST}.tmp-*")
-    with TailHasher(dst, [f["path"] for f in manifest["files"]]) as hasher:
-        if shutil.which("rsync"):
-            n = _rsync(src, dst, link_dest, excludes, lock_fd, bwlimit_kib, cancel)
-        else:
-            n = _pycopy(src, dst, link_dest, excludes, cancel)
-    digests = hasher.digests()
-    _fsync_tree(dst, done=digests)
-    return n, digests
+    return copy_tree(src, dst, [f["path"] for f in manifest["files"]], link_dest,
+                     (*excludes, mf.MANIFEST, f".{mf.MANIFEST}.tmp-*"), lock_fd, bwlimit_kib, cancel)
 
 
 def _check_copy(dst: Path, manifest: Mapping, known: Mapping[str, str]) -> list[str]:
@@ -204,7 +103,7 @@ def _need_bytes(src: Path, manifest: Mapping, staging: Path, link_dest: Path | N
     need = 0
     for f in manifest["files"]:
         st = (src / f["path"]).stat()
-        if not (_same_file(st, staging / f["path"]) or (link_dest and _same_file(st, link_dest / f["path"]))):
+        if not (same_file(st, staging / f["path"]) or (link_dest and same_file(st, link_dest / f["path"]))):
             need += f["size"]
     return need
 

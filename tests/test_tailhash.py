@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoints import make_swift
 
+from orchestrator import copytree
 from orchestrator import manifest as mf
 from orchestrator import sync
 from orchestrator.tailhash import TailHasher
@@ -94,7 +95,7 @@ def test_manifest_check_hashes_only_what_it_was_not_given(tmp_path, monkeypatch)
 def test_publish_compares_the_digests_taken_during_the_copy(tmp_path, monkeypatch):
     make_swift(tmp_path / "out", 10)
     wrong = lambda self: {"adapter_model.safetensors": "0" * 64}  # noqa: E731  (a copy damaged on its way)
-    monkeypatch.setattr(sync.TailHasher, "digests", wrong)
+    monkeypatch.setattr(copytree.TailHasher, "digests", wrong)
     r = sync.sync_once(tmp_path / "out", tmp_path / "pers", "swift", "h")
     assert not r.ok and "does not match its manifest" in r.problems[0]
     assert not (tmp_path / "pers" / "checkpoint-10").exists()
