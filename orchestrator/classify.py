@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from orchestrator.types import Crash, CrashClass, ExitStatus, Phase
@@ -32,15 +32,28 @@ class Rule:
     priority: int = 0
 
 
-_OOM = (r"CUDA out of memory", r"\btorch\.(?:cuda\.)?OutOfMemoryError\b", r"CUDA error: out of memory",
+_OOM = (r"CUDA out of memory", r"\btorch\.(?:cuda\.)?OutOfMemoryError\b", r"CUDA (?:driver )?error: out of memory",
+        r"\[CUDA\]: out of memory", r"\bcuda\w*Malloc\w*\b.{0,60}\bout of memory",
         r"cudaErrorMemoryAllocation", r"CUDA_ERROR_OUT_OF_MEMORY", r"Cuda failure (?:2 )?'out of memory'",  # NCCL's
         r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDNN_STATUS_ALLOC_FAILED", r"Failed to CUDA (?:calloc|malloc)",
         r"\b(?:HIP|NPU) out of memory")
 # Advice and warnings that merely mention OOM are not an OOM.
-_OOM_EXCLUDE = (r"\b(?:User|Future|Deprecation)Warning\b", r"\b(?:avoid|prevent)\w* (?:an? )?(?:CUDA )?(?:OOM|out of memory)")
+_OOM_EXCLUDE = (r"\b(?:User|Future|Deprecation)Warning\b", r"\b(?:avoid|prevent)\w* (?:an? )?(?:CUDA )?(?:OOM|out of memory)",
+                r"\b(?:if|when) (?:you|it) (?:encounter|see|get|run into|hit|face)\w*\b")
 _OOM_KW = ("out of memory", "out_of_memory", "outofmemoryerror", "memoryallocation", "alloc_failed", "failed to cuda")
 _HYPOTHETICAL = (r"\b(?:may|might|could|can|will) (?:produce|cause|lead|result|return|give)",)   # warnings, advice
 _NOT_ROOT_DISK = (r"/dev/shm", r"NCCL WARN", r"posix_fallocate", r"</torch_", r"shared memory")
+_NCCL_REMOTE = r"remote process exited|ncclRemoteError|network error"      # a peer vanished (or the network)
+# A process that died of SIGKILL (torchrun, DeepSpeed launcher, spawn, accelerate, shells, job control,
+# containers) or exit 137. torchrun's own SIGKILL escalation after SIGTERM is teardown, not the host.
+_SIGKILL = (
+    r"exitcode\s*:\s*-9\b", r"Signal 9 \(SIGKILL\)", r"<Signals\.SIGKILL: 9>", r"return code = -9\b",
+    r"terminated with signal SIGKILL", r"^Killed$", r"line \d+:\s+\d+ Killed\b", r"\bkilled by signal:? (?:9|SIGKILL)\b",
+    r"\b(?:exit|return)\w*(?: with)?(?: exit)? (?:code|status)[ :=]*137\b", r"\bsignal: killed\b", r"\bsignal 9\b",
+    r"^(?:zsh|bash|sh): killed\b", r"\btask \d+: Killed\b", r"^\[\d+\][+-]?\s+Killed\b", r"\bexit status -9\b")
+_SIGKILL_KW = ("-9", "sigkill", "killed", "137", "signal 9")
+_SIGKILL_EXCLUDE = (r"forcefully exiting via",)
+_CRASH_SIGNAL = r"(?:exitcode\s*:|return code =|exit status)\s*-(?:11|7|4|8)\b"   # SIGSEGV/SIGBUS/SIGILL/SIGFPE
 
 RULES: tuple[Rule, ...] = tuple(sorted((
     # A failed rendezvous stops everything at once. Not after a completed step (the rendezvous
@@ -90,7 +103,7 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"Unexpected result (?:nan|inf)\b", r"\bfound (?:a )?(?:nan|inf)\b", r"Rerun state machine.*\bnan\b",
         r"\bloss (?:is|became|was) (?:nan|inf)\b", r"\bnan (?:loss|gradients?) (?:detected|found|encountered)\b",
         r"returned nan values in its", r"is non-finite, so it cannot be clipped", r"\bdetected (?:a )?nan\b",
-        r"\b(?:loss|grad\w*)\b.{0,40}\b(?:is|are|became|returned|contains?|has) (?:a |an )?(?:nan|inf|non-finite)\b",
+        r"\b(?:loss|grad\w*)\b.{0,40}\b(?:is|are|became|returned|contains?|has) (?:a |an )?(?:nans?|infs?|non-finite)\b",
         r"\bnan (?:loss|gradients?|grad norm)\b"),
         keywords=("nan", "inf", "non-finite"), exclude=_HYPOTHETICAL, priority=50),
     # NaN/Inf in progress lines counts only when no finite progress line follows (fp16 overflow steps
@@ -105,12 +118,29 @@ RULES: tuple[Rule, ...] = tuple(sorted((
     Rule("nan_missing_loss", CrashClass.NAN_LOSS,
          (r"^(?!.*\bloss:)(?:.*\s)?iteration\s+\d+\s*/\s*\d+\s*\|.*\|\s*loss scale: 1\.0\b",),
          keywords=("loss scale: 1.0",), requires=("after_finite",), priority=52),
-    # Hard NCCL errors name the transport failure, so they outrank the timeouts it causes on other ranks.
+    # Hard NCCL errors name a local transport/CUDA failure, so they outrank the timeouts it causes on other ranks.
     Rule("nccl_error", CrashClass.NCCL_ERROR, (
-        r"\bnccl(?:Unhandled)?(?:UnhandledCudaError|SystemError|InternalError|RemoteError|InvalidUsage|InvalidArgument)\b",
-        r"NCCL error in:", r"NCCL error: ", r"unhandled (?:system|cuda) error", r"remote process exited or there was a network error",
+        r"\bnccl(?:Unhandled)?(?:UnhandledCudaError|SystemError|InternalError|InvalidUsage|InvalidArgument)\b",
+        r"NCCL error in:", r"NCCL error: ", r"\bNCCL Error \d+:", r"\bNCCL_ERROR_[A-Z_]+\b", r"unhandled (?:system|cuda) error",
         r"internal error - please report this issue to the NCCL developers"),
-        keywords=("nccl", "unhandled system error", "unhandled cuda error", "remote process exited"), priority=60),
+        keywords=("nccl", "unhandled system error", "unhandled cuda error"), exclude=(_NCCL_REMOTE,), priority=60),
+    # A host-OOM kill of one rank makes its peers report a vanished remote (ncclRemoteError, connection
+    # reset) or a user error: the kill is the root then. A collective timeout next to a kill is not
+    # outranked (hung ranks get SIGKILLed after the timeout), see host_oom_killed.
+    Rule("host_kill_peer", CrashClass.HOST_OOM_KILLED, _SIGKILL, keywords=_SIGKILL_KW, requires=("no_timeout",),
+         exclude=_SIGKILL_EXCLUDE, priority=64),
+    # A plain Python error ends the run on its rank; the other ranks then lose their peer (remote errors,
+    # aborts, watchdog timeouts). Only the unambiguous user-level types, not after later progress lines.
+    Rule("user_error", CrashClass.OTHER, (
+        r": error: (?:unrecognized arguments|ambiguous option|argument|the following arguments)", r"remaining_argv",
+        r"^(?:[\w.]+\.)?(?:ModuleNotFound|Import|FileNotFound|Key|Type|Attribute|Index|Name|Value|ZeroDivision|NotImplemented"
+        r"|UnboundLocal|JSONDecode|UnicodeDecode|Permission|IsADirectory|Syntax|Assertion)Error\b"),
+        keywords=("error", "remaining_argv"), requires=("not_killed", "no_recovery"),
+        exclude=(r"\bnan\b", r"\binf\b", r"non-finite", r"\bnccl", r"Warning\b"), priority=65),
+    # ncclRemoteError: a peer vanished or the network failed. NCCL's own error when nothing above explains it.
+    Rule("nccl_remote", CrashClass.NCCL_ERROR, (
+        r"\bncclRemoteError\b", r"remote process exited or there was a network error", r"NCCL error in:", r"NCCL error: "),
+        keywords=("nccl", "remote process exited"), priority=68),
     # A collective timeout says only that some rank stopped; it outranks just the aborts and kills it causes.
     Rule("nccl_timeout_hang", CrashClass.NCCL_TIMEOUT_HANG, (
         r"Watchdog caught collective operation timeout", r"WorkNCCL\(SeqNum=\d+.*ran for \d+ milliseconds before timing out",
@@ -118,16 +148,13 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"Timed out (?:waiting|initializing|after).*(?:store|barrier|clients|recv|send|operation)",
         r"DistBackendError.*(?:timeout|timed out)", r"store->get\(.*(?:wait timeout|Socket Timeout)",
         r"wait timeout after \d+ms, keys:", r"DistStoreError: .*Timed out", r"RendezvousTimeoutError",
-        r"watchdog got stuck for \d+ seconds"),
-        keywords=("timeout", "timed out", "got stuck"), priority=70),
+        r"watchdog got stuck for \d+ seconds", r"\bSocket Timeout\b", r"client socket has timed out after",
+        r"waitForInput: socket .* timed out after", r"failed to pass monitoredBarrier"),
+        keywords=("timeout", "timed out", "got stuck", "monitoredbarrier"), priority=70),
     # Bare SIGKILL evidence (torchrun, DeepSpeed launcher, spawn, accelerate, bash) or exit 9/137.
     # torchrun's own SIGKILL escalation after SIGTERM is teardown, not the host killing a worker.
-    Rule("host_oom_killed", CrashClass.HOST_OOM_KILLED, (
-        r"exitcode\s*:\s*-9\b", r"Signal 9 \(SIGKILL\)", r"<Signals\.SIGKILL: 9>", r"return code = -9\b",
-        r"terminated with signal SIGKILL", r"^Killed$", r"line \d+:\s+\d+ Killed\b", r"\bkilled by signal:? (?:9|SIGKILL)\b",
-        r"\b(?:exit|return)\w*(?: with)?(?: exit)? (?:code|status)[ :=]*137\b", r"\bsignal: killed\b", r"\bsignal 9\b",
-        r"^(?:zsh|bash|sh): killed\b", r"\btask \d+: Killed\b"),
-        keywords=("-9", "sigkill", "killed", "137", "signal 9"), exclude=(r"forcefully exiting via",), exit_signal=9, priority=80),
+    Rule("host_oom_killed", CrashClass.HOST_OOM_KILLED, _SIGKILL, keywords=_SIGKILL_KW, exclude=_SIGKILL_EXCLUDE,
+         exit_signal=9, priority=80),
     # Cascade-only NCCL text (aborted communicator, watchdog teardown): NCCL when nothing
     # better is in the log (nccl_error__011), but below the timeout or kill it usually comes from.
     Rule("nccl_abort", CrashClass.NCCL_ERROR, (
@@ -139,14 +166,16 @@ RULES: tuple[Rule, ...] = tuple(sorted((
     Rule("other_error", CrashClass.OTHER, (
         r": error: (?:unrecognized arguments|ambiguous option|argument|the following arguments)", r"remaining_argv",
         r"^(?:[\w.]+\.)?(?:ModuleNotFound|Import|FileNotFound|Assertion|Value|Key|Type|Attribute|Runtime|OS|Index|Name)Error\b",
-        r"^(?:[\w.]+\.)?\w+(?:Error|Exception)\b(?::|$)", r"Segmentation fault", r"core dumped"),
-        keywords=("error", "exception", "remaining_argv", "segmentation fault", "core dumped"),
+        r"^(?:[\w.]+\.)?\w+(?:Error|Exception)\b(?::|$)", r"Segmentation fault", r"core dumped",
+        _CRASH_SIGNAL, r"\bSIG(?:SEGV|BUS|ILL|FPE)\b"),
+        keywords=("error", "exception", "remaining_argv", "segmentation fault", "core dumped", "exitcode", "return code",
+                  "exit status", "sigsegv", "sigbus", "sigill", "sigfpe"),
         exclude=(r"ChildFailedError", r"SignalException", r"CalledProcessError", r"Warning\b"), priority=90),
     # NCCL WARN lines alone are often start-up noise (plugins, topology): weaker than a user error.
     Rule("nccl_warn", CrashClass.NCCL_ERROR, (r"NCCL WARN",), keywords=("nccl warn",), priority=92),
     # The DeepSpeed launcher kills all children after any failure: the weakest host-kill hint.
     Rule("launcher_kill", CrashClass.HOST_OOM_KILLED, (r"sigkill_handler.*Killing subprocess",),
-         keywords=("killing subprocess",), priority=95),
+         keywords=("killing subprocess",), requires=("no_other_exit",), priority=95),
 ), key=lambda r: r.priority))
 
 # ---- line cleaning ----------------------------------------------------------------------------
@@ -155,10 +184,12 @@ _LEADING = re.compile(r"""^\s*(?:
     \[rank\d+\]:|\[default\d+\]:|\[\d+,\d+\]<std(?:out|err)>:
   | [\w.-]+/\d+\s+(?=\[(?:default|rank)\d+\]:)                           # nemo-run 'i.pretrain/0 '
   | [\w.-]+:\s(?=\[(?:default|rank)\d+\]:)                               # pdsh 'node-1: [rank8]:'
-  | \((?:\w+\s)?pid=\d+(?:,\s*ip=[\d.]+)?\)\s                            # ray '(TaskRunner pid=12) '
+  | (?:(?!(?:step|iter\w*|epoch|rank|batch)-)[a-z][\w.]*-\d+|(?:\d{1,3}\.){3}\d{1,3}):\s(?=\S)   # pdsh 'worker-1: '
+  | \((?:[\w()\-.]+\s)?pid=\d+(?:,\s*ip=[\d.]+)?\)\s                       # ray '(TaskRunner pid=12) '
+  | \[\d{1,7}\]\s+(?!Killed|Done|Exit|Stopped|Terminated|Running)(?=\S)     # pasted line numbers '[1745] '
   | \[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?(?:\s+|$)   # timestamps
-  | \[[IWEF]\d{4}\s\d\d:\d\d:\d\d(?:\.\d+)?(?:\s+\d+)?\s+[\w./-]+:\d+\]\s*             # glog [E1206 ..]
-  | [IWEF]\d{4}\s\d\d:\d\d:\d\d\.\d+\s+\d+\s+[\w./-]+:\d+\]\s*                      # torch elastic log
+  | \[[IWEF]\d{3,4}\s\d\d:\d\d:\d\d(?:\.\d+)?(?:\s+\d+)?\s+[\w./-]+:\d+\]\s*             # glog [E1206 ..]
+  | [IWEF]\d{3,4}\s\d\d:\d\d:\d\d\.\d+\s+\d+\s+[\w./-]+:\d+\]\s*                      # torch elastic log
   | \[[IWEF]\s[\w./-]+:\d+\]\s*                                          # [E socket.cpp:462]
   | \d{1,4}:\s(?=\S)                                                     # srun --label '3: '
   | \*\*(?=\S)                                                           # markdown bold
@@ -166,6 +197,7 @@ _LEADING = re.compile(r"""^\s*(?:
 _BOLD_END = re.compile(r"\*\*(?=\s|$)")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")                                        # colour codes
 _TQDM_HEAD = re.compile(r"^(?:[^|\n]{0,80}?\d{1,3}%\|[^|\n]*\|[^\[\n]*\[[^\]\n]*\])+")
+_TQDM_POSTFIX = re.compile(r",\s*([^\[\]\n]*\bloss[^\[\]\n]*)\]$", re.IGNORECASE)   # '[00:10<00:00, 9.5it/s, loss=2.3]'
 
 
 def strip_prefixes(line: str) -> str:
@@ -207,7 +239,14 @@ _TQDM_TRAIN = re.compile(r"train|epoch|iter|step", re.IGNORECASE)
 _TQDM_NOT = re.compile(r"eval|valid|test|load|map|token|download|generat|process|convert|sav|export|infer|"
                        r"predict|sampl|filter|shard|fetch|pack|shuffl|build|compil", re.IGNORECASE)
 _DEEP_STEP_MARKS = ("global_step/max_steps", "'iteration': '", '"iteration": "', "consumed samples:", "{'loss': ", '{"loss": ')
-_FINITE = re.compile(r"""['"]loss['"]\s*:\s*['"]?[-+]?\d|\blm loss:\s*[-+]?\d|\bstep \d+: loss [-+]?\d""", re.IGNORECASE)
+_FINITE = re.compile(r"""['"]loss['"]\s*:\s*['"]?[-+]?\d|\blm loss:\s*[-+]?\d|\bstep \d+: loss [-+]?\d|\bloss\s*[=:]\s*[-+]?\d""",
+                     re.IGNORECASE)
+
+
+def _zero_bar(line: str) -> bool:
+    """A training progress bar that has not completed a step ('Train:   0%|   | 0/400 [00:00<?, ?it/s]')."""
+    return any(m.group(2) == "0" and not _TQDM_NOT.search(d := m.group(1).strip()) and (not d or _TQDM_TRAIN.search(d))
+               for m in _TQDM.finditer(line))
 
 
 def _step_line(line: str) -> bool:
@@ -246,12 +285,16 @@ _STARTUP_FN = re.compile(r"^(?:from_pretrained|_*load(?!_balanc)(?:_\w+)?|setup_
                          r"|reset_parameters|_setup_for_real_optimizer|init_model|_build_(?:rollout|model\w*|optimizer)"
                          r"|init_workers|profile_run|determine_num_available_blocks|_initialize_kv_caches|_materialize\w*"
                          r"|_init_param_handle_from_module|_sync_module_states|_sync_params_and_buffers"
-                         r"|_verify_param_shape_across_processes)$")
+                         r"|_verify_param_shape_across_processes|_wrap_model|fully_shard|capture_model|_dummy_(?:sampler_)?run"
+                         r"|_?prepare_vllm\w*)$")
 _STARTUP_CODE = re.compile(r"cublasCreate|Failed to CUDA (?:calloc|malloc)|deepspeed\.initialize\(|from_pretrained\(")
+# Checkpoint saves (and their async writers) and evaluations only happen after completed steps.
 _TRAIN_FN = re.compile(r"backward|train_step|training_step|_inner_training_loop|forward_backward|forward_step|"
-                       r"compute_loss|^train$|^step$|^forward$|^_forward$|train_one_epoch|^fit$|loss_func|save_checkpoint|"
-                       r"update_actor|update_policy|compute_log_prob|generate_sequences")
-_TRAIN_CODE = re.compile(r"\.backward\(|\.train\(|train_step\(|training_step\(")
+                       r"compute_loss|^train$|^step$|^forward$|^_forward$|train_one_epoch|^fit$|loss_func|save|"
+                       r"update_actor|update_policy|compute_log_prob|generate_sequences|preload_tensors|evaluat|"
+                       r"prediction_step|^_prepare_inputs$|_generate_and_score")
+_TRAIN_CODE = re.compile(r"\.backward\(|\.train\(|train_step\(|training_step\(|saving checkpoint at iteration\s+[1-9]"
+                         r"|Saving model checkpoint to|\bsave_checkpoint\(", re.IGNORECASE)
 
 
 @dataclass
@@ -259,6 +302,15 @@ class _Ctx:
     lines: list[str]
     phase: Phase                 # given, or inferred from the text
     last_finite: int             # index of the last progress line with a finite loss (-1: none)
+    killed: bool = False         # the process died of SIGKILL (exit status)
+    zero_bar: int = -1           # with no step evidence: a training bar still at step 0 (-1: none)
+    memo: dict[str, bool] = field(default_factory=dict)   # whole-log facts, computed once
+
+    def anywhere(self, name: str, rx: re.Pattern[str], keywords: tuple[str, ...]) -> bool:
+        """Whether any line (holding one of the keywords) matches rx; cached per log."""
+        if (hit := self.memo.get(name)) is None:
+            hit = self.memo[name] = any(rx.search(s) for s in self.lines if any(k in s.lower() for k in keywords))
+        return hit
 
     def window(self, i: int, before: int, after: int) -> list[str]:
         return self.lines[max(0, i - before): i + after + 1]
@@ -280,7 +332,9 @@ def _startup(ctx: _Ctx, i: int) -> bool | str:
         if not startup and ((fn and _STARTUP_FN.search(fn)) or _STARTUP_CODE.search(s)):
             startup = s
         training = training or bool(fn and _TRAIN_FN.search(fn)) or bool(_TRAIN_CODE.search(s))
-    return startup or not training   # loader frames win; with no evidence at all it is a start-up OOM
+    # Loader frames win, then a training bar still at 0/N (no step completed yet: the first forward/backward
+    # OOMed); with no evidence at all it is a start-up OOM too.
+    return startup or ctx.zero_bar >= 0 or not training
 
 
 _CONDITIONS: dict[str, Callable[[_Ctx, int], bool | str]] = {
@@ -290,9 +344,14 @@ _CONDITIONS: dict[str, Callable[[_Ctx, int], bool | str]] = {
     "startup_context": _startup,
     "no_recovery": lambda ctx, i: i > ctx.last_finite,
     "after_finite": lambda ctx, i: 0 <= ctx.last_finite < i,
+    "not_killed": lambda ctx, i: not ctx.killed,
+    "no_timeout": lambda ctx, i: not ctx.anywhere("timeout", _COMPILED["nccl_timeout_hang"][0], _RULE_KW["nccl_timeout_hang"]),
+    "no_other_exit": lambda ctx, i: not ctx.anywhere("other_exit", _OTHER_EXIT, ("return code",)),
 }
+_OTHER_EXIT = re.compile(r"exits with return code = (?!-9\b)-?\d+")   # DeepSpeed's launcher names the real exit
 
 # ---- engine -----------------------------------------------------------------------------------
+_RULE_KW = {r.name: r.keywords for r in RULES}
 _COMPILED = {r.name: (re.compile("|".join(f"(?:{p})" for p in r.patterns), _F), [re.compile(p, _F) for p in r.patterns],
                       re.compile("|".join(r.exclude), _F) if r.exclude else None) for r in RULES}
 # When the tail shows only a cascade, fatal roots are looked for in the DEEP bytes before it with
@@ -350,12 +409,23 @@ def _candidates(keywords: tuple[str, ...], low: str, starts: list[int]) -> list[
     return sorted(found)
 
 
+def _strip_bar(line: str) -> str:
+    """A glued tqdm head goes; a bar alone keeps its loss postfix (Lightning's 'loss=nan' is the only NaN sign)."""
+    head = _TQDM_HEAD.match(line)
+    if not head:
+        return line
+    rest = line[head.end():].strip()
+    return rest or ((m := _TQDM_POSTFIX.search(head.group())) and m.group(1).strip()) or ""
+
+
 def _run(raw: list[str], phase: Phase, exit: ExitStatus | None, step_line: str | None) -> Crash:
-    lines = [_TQDM_HEAD.sub("", s).strip() if "%|" in s else s for s in raw]
+    lines = [_strip_bar(s) if "%|" in s else s for s in raw]
     nan_rx = _COMPILED["nan_progress"][0]
     last_finite = next((i for i in range(len(lines) - 1, -1, -1)
                         if "loss" in lines[i] and _FINITE.search(lines[i]) and not nan_rx.search(lines[i])), -1)
-    ctx = _Ctx(lines, phase, last_finite)
+    zero_bar = next((i for i in range(len(raw) - 1, -1, -1) if "%|" in raw[i] and _zero_bar(raw[i])), -1) \
+        if phase is Phase.UNKNOWN else -1
+    ctx = _Ctx(lines, phase, last_finite, killed=exit is not None and exit.killed_by == 9, zero_bar=zero_bar)
     # Source lines quoted under a traceback frame are code, not messages ("raise ValueError(...)").
     code = {i + 1 for i, s in enumerate(lines[:-1]) if s.startswith("File ") and _FRAME_FN.match(s)
             and not _EXC_LINE.match(lines[i + 1])}

@@ -73,6 +73,7 @@ OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. G
 WATCHDOG = ("[rank0]:[E1120 22:13:01.1 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout: "
             "WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600061 milliseconds before timing out.")
 PROGRESS = "{'loss': '7.43', 'grad_norm': '1.873', 'learning_rate': '9.973e-05', 'global_step/max_steps': '%d/30'}"
+REMOTE = ("[rank5]: ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.")
 MEGATRON = (" iteration %5d/  10000 | consumed samples: 100 | learning rate: 1.0E-05 | global batch size: 64 | %s"
             "loss scale: %s | grad norm: 0.7 | number of skipped iterations: %d | number of nan iterations: %d |")
 
@@ -155,6 +156,41 @@ CASES = [
     ("xid", ["NVRM: Xid (PCI:0000:3b:00): 48, pid=1, DBE (double bit error) ECC error"], CrashClass.CUDA_FATAL),
     ("xid_lowercase_word_is_not_xid", ["xid=12 trace id", "NameError: name 'x' is not defined"], CrashClass.OTHER),
     ("empty", [], CrashClass.OTHER),
+    # Peers of a rank that died (host kill, user error) report remote errors or time out: the death is the root.
+    ("host_kill_beats_peer_remote_error", [PROGRESS % 3, REMOTE, "  exitcode  : -9 (pid: 1)"], CrashClass.HOST_OOM_KILLED),
+    ("user_error_beats_peer_remote_error", [PROGRESS % 3, "[rank3]: KeyError: 'input_ids'", REMOTE], CrashClass.OTHER),
+    ("user_error_beats_peer_watchdog", [PROGRESS % 3, "[rank3]: TypeError: bad operand", WATCHDOG], CrashClass.OTHER),
+    ("user_error_before_progress_is_not_root", ["ModuleNotFoundError: No module named 'apex'", PROGRESS % 3, WATCHDOG],
+     CrashClass.NCCL_TIMEOUT_HANG),
+    ("remote_error_alone", [PROGRESS % 3, REMOTE], CrashClass.NCCL_ERROR),
+    ("hard_nccl_error_beats_user_error", ["ValueError: x", "ncclSystemError: System call (e.g. socket, malloc) failed."],
+     CrashClass.NCCL_ERROR),
+    # Other crash signals are not host kills; nor is DeepSpeed's child cleanup when it names another exit code.
+    ("segfault_exitcode", ["  exitcode  : -11 (pid: 1)", "  traceback : Signal 11 (SIGSEGV) received by PID 1"], CrashClass.OTHER),
+    ("deepspeed_kill_then_return_code_1", ["[INFO] [launch.py:315:sigkill_handler] Killing subprocess 2",
+                                          "[ERROR] [launch.py:321:sigkill_handler] ['python'] exits with return code = 1"],
+     CrashClass.OTHER),
+    ("deepspeed_return_code_11", ["[ERROR] [launch.py:321:sigkill_handler] ['python'] exits with return code = -11"], CrashClass.OTHER),
+    ("job_control_killed", ["[1]+  Killed                  nohup python train.py > log 2>&1"], CrashClass.HOST_OOM_KILLED),
+    ("exit_status_minus_9", ["subprocess.CalledProcessError: Command '['python']' returned non-zero exit status -9."],
+     CrashClass.HOST_OOM_KILLED),
+    # Wording variants.
+    ("triton_cuda_oom", [PROGRESS % 3, "RuntimeError: Triton Error [CUDA]: out of memory"], CrashClass.OOM_DURING_TRAINING),
+    ("cuda_driver_oom_is_not_fatal", [PROGRESS % 3, "RuntimeError: CUDA driver error: out of memory"], CrashClass.OOM_DURING_TRAINING),
+    ("old_nccl_error_number", ["RuntimeError: NCCL Error 3: internal error"], CrashClass.NCCL_ERROR),
+    ("cupy_nccl_error", ["NcclError: NCCL_ERROR_UNHANDLED_CUDA_ERROR: unhandled cuda error"], CrashClass.NCCL_ERROR),
+    ("store_socket_timeout", ["torch.distributed.DistStoreError: Socket Timeout"], CrashClass.NCCL_TIMEOUT_HANG),
+    ("client_socket_timeout", ["DistNetworkError: The client socket has timed out after 900000ms while trying to connect to (n, 29500)."],
+     CrashClass.NCCL_TIMEOUT_HANG),
+    ("monitored_barrier", ["RuntimeError: Rank 0 failed to pass monitoredBarrier in 1800000 ms"], CrashClass.NCCL_TIMEOUT_HANG),
+    ("loss_has_nans", ["Loss 6dd35fca has NaNs"], CrashClass.NAN_LOSS),
+    ("lightning_bar_loss_nan", ["Epoch 1: 100%|██████████| 10/10 [00:01<00:00, 9.5it/s, loss=2.3, v_num=0]",
+                                "Epoch 2:  40%|████      | 4/10 [00:01<00:01, 9.5it/s, loss=nan, v_num=0]"], CrashClass.NAN_LOSS),
+    ("lightning_bar_nan_recovered", ["Epoch 1:  40%|████      | 4/10 [00:01<00:01, 9.5it/s, loss=nan, v_num=0]",
+                                     "Epoch 1:  50%|█████     | 5/10 [00:01<00:01, 9.5it/s, loss=2.1, v_num=0]", "KeyError: 'x'"],
+     CrashClass.OTHER),
+    ("triton_out_of_resource_is_not_oom", ["triton.runtime.errors.OutOfResources: out of resource: shared memory, Required: 131072"],
+     CrashClass.OTHER),
 ]
 
 
@@ -173,6 +209,10 @@ MAMBA_OOM = ['  File "/x/mamba_ssm/ops/triton/ssd_combined.py", line 886, in bac
              '  File "/x/mamba_ssm/ops/triton/ssd_chunk_state.py", line 900, in _chunk_state_bwd_db', OOM]
 LOADER_OOM = ['  File "/x/transformers/modeling_utils.py", line 4399, in from_pretrained', "    ) = cls._load_pretrained_model(", OOM]
 BACKWARD_OOM = ['  File "/x/torch/_tensor.py", line 581, in backward', "    torch.autograd.backward(", OOM]
+SAVE_OOM = ['  File "/x/megatron/training/checkpointing.py", line 598, in save_checkpoint', "    x = y()", OOM]
+EVAL_OOM = ['  File "/x/transformers/trainer.py", line 4154, in evaluation_loop', "    x = y()", OOM]
+WRAP_OOM = ['  File "/x/transformers/trainer.py", line 2032, in _inner_training_loop', "    x = y()",
+            '  File "/x/transformers/trainer.py", line 1640, in _wrap_model', "    x = y()", OOM]
 
 
 @pytest.mark.parametrize("lines,phase,exit,expected", [
@@ -182,6 +222,12 @@ BACKWARD_OOM = ['  File "/x/torch/_tensor.py", line 581, in backward', "    torc
     ([PROGRESS % 1, OOM], None, None, CrashClass.OOM_DURING_TRAINING),
     (LOADER_OOM, None, None, CrashClass.COLD_START_OOM),
     (BACKWARD_OOM, None, None, CrashClass.OOM_DURING_TRAINING),
+    (SAVE_OOM, None, None, CrashClass.OOM_DURING_TRAINING),        # saves follow completed steps
+    (EVAL_OOM, None, None, CrashClass.OOM_DURING_TRAINING),
+    (WRAP_OOM, None, None, CrashClass.COLD_START_OOM),             # model wrapping inside train() is start-up
+    (["  0%|          | 0/1143 [00:00<?, ?it/s]", *BACKWARD_OOM], None, None, CrashClass.COLD_START_OOM),  # 1st step
+    (["Val:   0%|          | 0/50 [00:00<?, ?it/s]", *BACKWARD_OOM], None, None, CrashClass.OOM_DURING_TRAINING),
+    (["KeyError: 'x'", WATCHDOG], None, ExitStatus(signal=9), CrashClass.NCCL_TIMEOUT_HANG),
     (BACKWARD_OOM, Phase.STARTUP, None, CrashClass.COLD_START_OOM),  # the supervisor's phase is authoritative
     (FLA_OOM, Phase.STARTUP, None, CrashClass.FLA_BACKWARD_OOM),
     (FLA_OOM, Phase.TRAINING, None, CrashClass.FLA_BACKWARD_OOM),
@@ -258,6 +304,10 @@ def test_phase_inference(lines: list[str], expected: Phase) -> None:
     ("Train:   3%|▎  | 1/30 [00:41<19:54, 41.2s/it]torch.OutOfMemoryError: CUDA out of memory.", "torch.OutOfMemoryError: CUDA out of memory."),
     ("abc\rTrain:   5%|▌  | 1/20 [00:01<00:19,  1.00s/it]\rKilled", "Killed"),
     ("\x1b[31m[rank1]: torch.OutOfMemoryError: x\x1b[0m", "torch.OutOfMemoryError: x"),
+    ("[1745] [rank5]:[E602 11:17:52.185 ProcessGroupNCCL.cpp:632] [Rank 5] Watchdog", "[Rank 5] Watchdog"),
+    ("[1]+  Killed                  python x", "[1]+  Killed                  python x"),
+    ("worker-1: KeyError: 'x'", "KeyError: 'x'"),
+    ("(ActorWorker(actor_train-1) pid=18175, ip=10.0.0.2) RuntimeError: x", "RuntimeError: x"),
     ("plain line", "plain line"),
 ])
 def test_strip_prefixes(raw: str, clean: str) -> None:
