@@ -447,13 +447,6 @@ def run(quick: bool = False, lines: int | None = None, repeat: int | None = None
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    w = max(len(r["name"]) for r in rows)
-    print(f"{'name':<{w}}  {'measured':>12}  {'target':>8}  pass")
-    for r in rows:
-        print(f"{r['name']:<{w}}  {r['measured']:>9} {r['unit']:<2}  {r['target']:>8}  {'yes' if r['pass'] else 'NO'}")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: proves the benchmark runs, numbers are rough")
@@ -465,6 +458,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     rows = run(a.quick, a.lines, a.repeat, a.dir, a.variants)
+    from run_all import print_table  # bench/ is on sys.path: this file's own folder
     print(json.dumps(rows, indent=1)) if a.json else print_table(rows)
     return 0 if all(r["pass"] for r in rows) else 1
 

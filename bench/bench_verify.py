@@ -83,13 +83,6 @@ def run(size_gib: float = 4.0, repeat: int = 50, workdir: str | None = None) -> 
              "pass": v <= TARGET_MS} for n, v in rows]
 
 
-def print_table(rows: list[dict]) -> None:
-    w = max(len(r["name"]) for r in rows)
-    print(f"{'name':<{w}}  {'measured':>12}  {'target':>10}  pass")
-    for r in rows:
-        print(f"{r['name']:<{w}}  {r['measured']:>9} {r['unit']:<2}  {r['target']:>10}  {'yes' if r['pass'] else 'NO'}")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gib", type=float, default=4.0)
@@ -98,6 +91,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     rows = run(a.size_gib, a.repeat, a.dir)
+    from run_all import print_table  # bench/ is on sys.path: this file's own folder
     print(json.dumps(rows, indent=1)) if a.json else print_table(rows)
     return 0 if all(r["pass"] for r in rows) else 1
 

@@ -66,13 +66,19 @@ def fmt(v) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    wb = max(len("benchmark"), *(len(r["benchmark"]) for r in rows))
+    """The table of every bench_*.py (run alone, or tagged with "benchmark" by run_one)."""
+    tagged = "benchmark" in rows[0]
+    wb = max(len("benchmark"), *(len(r.get("benchmark", "")) for r in rows))
     wn = max(len(r["name"]) for r in rows)
-    print(f"{'benchmark':<{wb}}  {'name':<{wn}}  {'measured':>14}  {'target':>9}  pass")
+
+    def line(bench: str, name: str, measured: str, target: str, ok: str) -> str:
+        return (f"{bench:<{wb}}  " if tagged else "") + f"{name:<{wn}}  {measured:>14}  {target:>9}  {ok}"
+
+    print(line("benchmark", "name", "measured", "target", "pass"))
     for r in rows:
         m = f"{fmt(r['measured'])} {r.get('unit', '')}".rstrip()
         ok = "-" if r["target"] == "-" else ("yes" if r["pass"] else "NO")
-        print(f"{r['benchmark']:<{wb}}  {r['name']:<{wn}}  {m:>14}  {r['target']:>9}  {ok}")
+        print(line(r.get("benchmark", ""), r["name"], m, r["target"], ok))
 
 
 def main(argv: list[str] | None = None) -> int:
