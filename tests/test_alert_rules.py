@@ -13,6 +13,7 @@ import pytest
 
 from orchestrator.metrics import Metrics
 from orchestrator.types import CrashClass, GpuInfo, GpuSnapshot, State
+from prom import ALERT_RULES as ALERTS
 from prom import firing, needs_prometheus, poll, query, running_prometheus
 
 yaml = pytest.importorskip("yaml")
@@ -20,7 +21,6 @@ yaml = pytest.importorskip("yaml")
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "monitoring"
 RUNBOOKS = ROOT / "runbooks"
-ALERTS = MONITORING / "alerts.yml"
 RUNBOOK_BASE = "https://orchestrator.invalid/runbooks/"
 # Series Prometheus itself creates for every target; everything else must come from Metrics.
 PROMETHEUS_BUILTINS = {"up"}
@@ -187,14 +187,12 @@ def test_runbook_index_links_every_page():
 def test_crash_loop_fires_in_a_real_prometheus(tmp_path: Path):
     # The shipped rule works as is: `for: 0m`, and [1h] needs no rewrite because the counters are
     # pre-created at 0, so the first scrape gives increase() its baseline.
-    rules = tmp_path / "alerts.yml"
-    shutil.copy(ALERTS, rules)
     m = Metrics()
     m.set_state(State.RUNNING)
     port = m.serve("127.0.0.1:0")
     target = f"127.0.0.1:{port}"
     try:
-        with running_prometheus(tmp_path, [target], [rules]) as base:
+        with running_prometheus(tmp_path, [target], [ALERTS]) as base:
             # Baseline: at least one scrape has seen the crash counters at 0.
             poll(lambda: query(base, 'orchestrator_crashes_total{class="nccl_error"} == 0'), 30,
                  "the first scrape of the zero crash counters")

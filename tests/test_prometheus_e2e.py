@@ -2,7 +2,6 @@
 crash-loop alert fires. Loopback only; every wait is bounded; Prometheus is always killed."""
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
 
@@ -10,18 +9,15 @@ import pytest
 
 from orchestrator.recipe import load
 from orchestrator.supervisor import Supervisor
-from prom import firing, free_port, needs_prometheus, poll, query, running_prometheus, scalar
+from prom import ALERT_RULES, firing, free_port, needs_prometheus, poll, query, running_prometheus, scalar
 from supervised import write_recipe
 
-ALERTS = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
 FAULTS = "fla_backward_oom@30,cuda_fatal@60,nccl_error@90,oom_during_training@120"
 
 
 @pytest.mark.prometheus
 @needs_prometheus
 def test_crash_loop_alert_fires_for_a_supervised_run(tmp_path: Path):
-    rules = tmp_path / "alerts.yml"
-    shutil.copy(ALERTS, rules)
     port = free_port()
     target = f"127.0.0.1:{port}"
     # Long enough that the run is still going when the alert fires; stopped on request below.
@@ -47,7 +43,7 @@ def test_crash_loop_alert_fires_for_a_supervised_run(tmp_path: Path):
             result["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)
-    with running_prometheus(tmp_path, [target], [rules]) as base:
+    with running_prometheus(tmp_path, [target], [ALERT_RULES]) as base:
         thread.start()
         try:
             poll(lambda: query(base, f'orchestrator_crashes_total{{instance="{target}",class="cuda_fatal"}} == 0'),
