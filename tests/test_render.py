@@ -97,32 +97,27 @@ def test_always_explicit(shipped, name, resume):
         assert opts["learning_rate"] == [str(r.optim.lr)]
 
 
-@pytest.mark.parametrize("resume,present,absent", [
-    ("fresh", {"finetune": ["true"]}, ["mcore_adapter", "adapters"]),
-    ("resume", {"mcore_adapter": ["/ckpt/checkpoint-200"], "finetune": ["false"]}, ["adapters"]),
-    ("weights", {"adapters": ["/ckpt/checkpoint-200"], "finetune": ["false"]}, ["mcore_adapter"]),
+MEGATRON_NEVER = ["resume_from_checkpoint"]
+SWIFT_NEVER = ["finetune", "mcore_adapter", "adapters"]
+
+
+@pytest.mark.parametrize("backend,resume,present,absent", [
+    ("megatron", "fresh", {"finetune": ["true"]}, ["mcore_adapter", "adapters", *MEGATRON_NEVER]),
+    ("megatron", "resume", {"mcore_adapter": ["/ckpt/checkpoint-200"], "finetune": ["false"]},
+     ["adapters", *MEGATRON_NEVER]),
+    ("megatron", "weights", {"adapters": ["/ckpt/checkpoint-200"], "finetune": ["false"]},
+     ["mcore_adapter", *MEGATRON_NEVER]),
+    ("swift", "fresh", {}, ["resume_from_checkpoint", "resume_only_model", *SWIFT_NEVER]),
+    ("swift", "resume", {"resume_from_checkpoint": ["/ckpt/checkpoint-200"]}, ["resume_only_model", *SWIFT_NEVER]),
+    ("swift", "weights", {"resume_from_checkpoint": ["/ckpt/checkpoint-200"], "resume_only_model": ["true"]},
+     SWIFT_NEVER),
 ])
-def test_megatron_resume_flags(megatron, resume, present, absent):
-    opts = options(render_command(megatron, RESUMES[resume], 29500).argv)
+def test_resume_flags(request, backend, resume, present, absent):
+    opts = options(render_command(request.getfixturevalue(backend), RESUMES[resume], 29500).argv)
     for k, v in present.items():
         assert opts[k] == v
     for k in absent:
         assert k not in opts
-    assert "resume_from_checkpoint" not in opts
-
-
-@pytest.mark.parametrize("resume,present,absent", [
-    ("fresh", {}, ["resume_from_checkpoint", "resume_only_model"]),
-    ("resume", {"resume_from_checkpoint": ["/ckpt/checkpoint-200"]}, ["resume_only_model"]),
-    ("weights", {"resume_from_checkpoint": ["/ckpt/checkpoint-200"], "resume_only_model": ["true"]}, []),
-])
-def test_swift_resume_flags(swift, resume, present, absent):
-    opts = options(render_command(swift, RESUMES[resume], 29500).argv)
-    for k, v in present.items():
-        assert opts[k] == v
-    for k in absent:
-        assert k not in opts
-    assert not {"finetune", "mcore_adapter", "adapters"} & set(opts)
 
 
 @pytest.mark.parametrize("overrides,flag,expected", [
