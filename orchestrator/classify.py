@@ -53,6 +53,7 @@ _SIGKILL = (
     r"^(?:zsh|bash|sh): killed\b", r"\btask \d+: Killed\b", r"^\[\d+\][+-]?\s+Killed\b", r"\bexit status -9\b")
 _SIGKILL_KW = ("-9", "sigkill", "killed", "137", "signal 9")
 _SIGKILL_EXCLUDE = (r"forcefully exiting via",)
+_CLI_ERROR = (r": error: (?:unrecognized arguments|ambiguous option|argument|the following arguments)", r"remaining_argv")
 _CRASH_SIGNAL = r"(?:exitcode\s*:|return code =|exit status)\s*-(?:11|7|4|8)\b"   # SIGSEGV/SIGBUS/SIGILL/SIGFPE
 
 RULES: tuple[Rule, ...] = tuple(sorted((
@@ -131,8 +132,7 @@ RULES: tuple[Rule, ...] = tuple(sorted((
          exclude=_SIGKILL_EXCLUDE, priority=64),
     # A plain Python error ends the run on its rank; the other ranks then lose their peer (remote errors,
     # aborts, watchdog timeouts). Only the unambiguous user-level types, not after later progress lines.
-    Rule("user_error", CrashClass.OTHER, (
-        r": error: (?:unrecognized arguments|ambiguous option|argument|the following arguments)", r"remaining_argv",
+    Rule("user_error", CrashClass.OTHER, (*_CLI_ERROR,
         r"^(?:[\w.]+\.)?(?:ModuleNotFound|Import|FileNotFound|Key|Type|Attribute|Index|Name|Value|ZeroDivision|NotImplemented"
         r"|UnboundLocal|JSONDecode|UnicodeDecode|Permission|IsADirectory|Syntax|Assertion)Error\b"),
         keywords=("error", "remaining_argv"), requires=("not_killed", "no_recovery"),
@@ -163,8 +163,7 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"retrieving ncclUniqueId"),
         keywords=("nccl", "distbackenderror", "watchdog"), priority=85),
     # A user-level exception or CLI error (evidence for `other`); launcher summaries are not causes.
-    Rule("other_error", CrashClass.OTHER, (
-        r": error: (?:unrecognized arguments|ambiguous option|argument|the following arguments)", r"remaining_argv",
+    Rule("other_error", CrashClass.OTHER, (*_CLI_ERROR,
         r"^(?:[\w.]+\.)?(?:ModuleNotFound|Import|FileNotFound|Assertion|Value|Key|Type|Attribute|Runtime|OS|Index|Name)Error\b",
         r"^(?:[\w.]+\.)?\w+(?:Error|Exception)\b(?::|$)", r"Segmentation fault", r"core dumped",
         _CRASH_SIGNAL, r"\bSIG(?:SEGV|BUS|ILL|FPE)\b"),
@@ -303,7 +302,7 @@ class _Ctx:
     phase: Phase                 # given, or inferred from the text
     last_finite: int             # index of the last progress line with a finite loss (-1: none)
     killed: bool = False         # the process died of SIGKILL (exit status)
-    zero_bar: int = -1           # with no step evidence: a training bar still at step 0 (-1: none)
+    zero_bar: bool = False       # with no step evidence: a training bar still at step 0
     memo: dict[str, bool] = field(default_factory=dict)   # whole-log facts, computed once
 
     def anywhere(self, name: str, rx: re.Pattern[str], keywords: tuple[str, ...]) -> bool:
@@ -334,7 +333,7 @@ def _startup(ctx: _Ctx, i: int) -> bool | str:
         training = training or bool(fn and _TRAIN_FN.search(fn)) or bool(_TRAIN_CODE.search(s))
     # Loader frames win, then a training bar still at 0/N (no step completed yet: the first forward/backward
     # OOMed); with no evidence at all it is a start-up OOM too.
-    return startup or ctx.zero_bar >= 0 or not training
+    return startup or ctx.zero_bar or not training
 
 
 _CONDITIONS: dict[str, Callable[[_Ctx, int], bool | str]] = {
@@ -423,8 +422,7 @@ def _run(raw: list[str], phase: Phase, exit: ExitStatus | None, step_line: str |
     nan_rx = _COMPILED["nan_progress"][0]
     last_finite = next((i for i in range(len(lines) - 1, -1, -1)
                         if "loss" in lines[i] and _FINITE.search(lines[i]) and not nan_rx.search(lines[i])), -1)
-    zero_bar = next((i for i in range(len(raw) - 1, -1, -1) if "%|" in raw[i] and _zero_bar(raw[i])), -1) \
-        if phase is Phase.UNKNOWN else -1
+    zero_bar = phase is Phase.UNKNOWN and any("%|" in s and _zero_bar(s) for s in raw)
     ctx = _Ctx(lines, phase, last_finite, killed=exit is not None and exit.killed_by == 9, zero_bar=zero_bar)
     # Source lines quoted under a traceback frame are code, not messages ("raise ValueError(...)").
     code = {i + 1 for i, s in enumerate(lines[:-1]) if s.startswith("File ") and _FRAME_FN.match(s)
