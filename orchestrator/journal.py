@@ -50,8 +50,8 @@ def journal_path(state_dir: Path) -> Path:
 
 
 class Journal:
-    def __init__(self, path: Path, readonly: bool = False, echo=None):
-        self.path = path
+    def __init__(self, path: Path, readonly: bool = False, echo=None, clock=time.time):
+        self.path, self.clock = path, clock
         self.echo = echo  # called with each event line (the supervisor's console narration)
         if readonly:
             self.db = _reader(path)
@@ -90,7 +90,7 @@ class Journal:
 
     # --- events
     def event(self, kind: str, message: str, **data) -> None:
-        now = time.time()
+        now = self.clock()
         self.db.execute("INSERT INTO events (at, kind, message, data) VALUES (?, ?, ?, ?)",
                         (now, kind, message, json.dumps(data, default=str)))
         if self.echo:
@@ -106,10 +106,10 @@ class Journal:
                           loss: float | None = None, recipe_hash: str | None = None) -> None:
         self.db.execute("INSERT OR REPLACE INTO checkpoints (step, path, ok, problems, loss, recipe_hash, verified_at,"
                         " synced_at) VALUES (?, ?, ?, ?, ?, ?, ?, (SELECT synced_at FROM checkpoints WHERE step = ?))",
-                        (step, path, int(ok), json.dumps(list(problems)), loss, recipe_hash, time.time(), step))
+                        (step, path, int(ok), json.dumps(list(problems)), loss, recipe_hash, self.clock(), step))
 
     def mark_synced(self, step: int) -> None:
-        self.db.execute("UPDATE checkpoints SET synced_at = ? WHERE step = ?", (time.time(), step))
+        self.db.execute("UPDATE checkpoints SET synced_at = ? WHERE step = ?", (self.clock(), step))
 
     def checkpoints(self) -> list[dict]:
         return [dict(r) | {"problems": json.loads(r["problems"])}

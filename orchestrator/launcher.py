@@ -28,7 +28,8 @@ RUN_MARKER = "ORCHESTRATOR_RUN"
 class Launched:
     proc: subprocess.Popen
     log_path: Path
-    started_at: float
+    started_at: float        # wall clock
+    started_mono: float      # monotonic
     create_time: float
     exited: threading.Event = field(default_factory=threading.Event)
     status: ExitStatus | None = None
@@ -58,7 +59,7 @@ def launch(cmd: Command, log_path: Path, run_id: str, cwd: str | None = None) ->
         create_time = psutil.Process(proc.pid).create_time()
     except psutil.Error:
         create_time = time.time()
-    launched = Launched(proc, log_path, time.time(), create_time)
+    launched = Launched(proc, log_path, time.time(), time.monotonic(), create_time)
 
     def reap() -> None:  # a waiter thread turns process exit into an event: noticed at once, no polling
         launched.status = ExitStatus.from_returncode(proc.wait())

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.recipe import SupervisorSection
-from orchestrator.types import Action, Crash, CrashClass, Decision
+from orchestrator.types import Action, Attempt, Crash, CrashClass, Decision
 
 HOUR = 3600.0
 # Failures that say nothing about the training's health: they do not count toward the crash loop.
@@ -64,6 +64,21 @@ def next_history(history: History, crash: Crash, now: float, checkpoint_progress
     stalled = 0 if checkpoint_progress else history.relaunches_without_progress + (crash.cls not in _FREE_RETRIES)
     recent = tuple((t, c) for t, c in history.crash_times if now - t < HOUR) + ((now, crash.cls),)
     return History(recent, crash.cls, stalled)
+
+
+def rebuild_history(attempts: list[Attempt], good_steps: set[int]) -> History:
+    """The history a supervisor restarted mid-run continues from: every ended attempt that crashed,
+    in order, as the live loop folded it. An attempt progressed when a good checkpoint exists past
+    its resume point and no later than its last step. Stopped and interrupted attempts (no class)
+    say nothing about the training's health and are skipped."""
+    h = History()
+    for a in attempts:
+        if a.ended_at is None or a.cls is None:
+            continue
+        start, end = a.start_step or 0, a.end_step if a.end_step is not None else float("inf")
+        progressed = any(start < s <= end for s in good_steps)
+        h = next_history(h, Crash(a.cls), a.ended_at, progressed)
+    return h
 
 
 def hang_verdict(now: float, launched_at: float, last_step_at: float | None,

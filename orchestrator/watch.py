@@ -11,7 +11,7 @@ from pathlib import Path
 
 from orchestrator import progress
 from orchestrator.launcher import FileTail, Launched
-from orchestrator.types import Progress, Resume
+from orchestrator.types import Attempt, Crash, Decision, Progress, Resume
 
 
 def logged_losses(jsonl: Path) -> dict[int, float]:
@@ -39,17 +39,25 @@ def finished_record(jsonl_line: str) -> bool:
 
 @dataclass
 class AttemptWatch:
+    """The running attempt: its launch, resume point and port, its journal row, what its output showed,
+    and (once it failed) its crash and the decision taken. The supervisor's only per-attempt state."""
+
     n: int
     launched: Launched
     port: int
     resume: Resume | None
+    row: Attempt                               # as recorded in the journal
     log: FileTail
     jsonl: FileTail
     prior_losses: dict[int, float]             # what earlier attempts logged, for the resume check
     first_step: int | None = None
-    first_step_at: float | None = None
+    first_step_at: float | None = None         # wall clock, recorded
     last: Progress | None = None
-    last_step_at: float | None = None
+    last_step_at: float | None = None          # wall clock, recorded
+    last_step_mono: float | None = None        # monotonic, for hang detection
+    hang_at: float | None = None
+    crash: Crash | None = None
+    decision: Decision | None = None
     first_logged: Progress | None = None       # first logging.jsonl step record of this attempt
     finished: bool = False                     # the trainer wrote its closing record
     bad: tuple[str, ...] = ()                  # the NaN/Inf line, once seen
@@ -57,12 +65,17 @@ class AttemptWatch:
     resume_checked: bool = False
 
     @classmethod
-    def start(cls, n: int, launched: Launched, port: int, resume: Resume | None, output_dir: Path) -> AttemptWatch:
+    def start(cls, n: int, launched: Launched, port: int, resume: Resume | None, output_dir: Path,
+              row: Attempt) -> AttemptWatch:
         jsonl = output_dir / "logging.jsonl"
-        return cls(n, launched, port, resume, FileTail(launched.log_path), FileTail(jsonl, from_end=True),
+        return cls(n, launched, port, resume, row, FileTail(launched.log_path), FileTail(jsonl, from_end=True),
                    logged_losses(jsonl))
 
-    def gather(self, now: float, drain: bool = False) -> list[Progress]:
+    @property
+    def good_step_at_launch(self) -> int:
+        return self.resume.step if self.resume else -1
+
+    def gather(self, now: float, mono: float, drain: bool = False) -> list[Progress]:
         """Read what is new; returns the new step records (stdout first, then logging.jsonl)."""
         fresh: list[Progress] = []
         for line in self.log.lines(None if drain else 8 << 20):
@@ -81,7 +94,7 @@ class AttemptWatch:
                 self._check(p, line)
         for p in fresh:
             if self.last is None or p.step > self.last.step:
-                self.last, self.last_step_at = p, now
+                self.last, self.last_step_at, self.last_step_mono = p, now, mono
             if self.first_step is None:
                 self.first_step, self.first_step_at = p.step, now
         return fresh

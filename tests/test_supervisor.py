@@ -104,12 +104,12 @@ def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path):
     sup = Supervisor(load(recipe), install_signals=False)
     original = sup._scan_checkpoints
 
-    def corrupt_then_scan(now):
+    def corrupt_then_scan(force=False):
         ck = out / "checkpoint-20" / "adapter_model.safetensors"
         if ck.exists() and ck.stat().st_size > 100:
             header = b'{"__metadata__": {"format": "pt"}}'
             ck.write_bytes(len(header).to_bytes(8, "little") + header)
-        original(now)
+        original(force)
 
     sup._scan_checkpoints = corrupt_then_scan
     assert sup.run() == ExitCode.OK

@@ -1,0 +1,140 @@
+"""The supervisor's one interface to the world: processes, GPUs, ports, disk and the clock.
+
+The loop (supervisor.py) does nothing to the machine except through a `Host`, so its state machine
+is table-tested with an in-memory host and a fake clock (tests/fake_host.py). `LocalHost` is the
+real thing for one node; a Slurm launcher becomes a second implementation of the launch part.
+
+Time: `now()` is wall-clock time, for what is recorded (journal, metrics); `monotonic()` measures
+durations (hang detection, waits), so a wall-clock step never fakes a hang or cuts a wait short.
+"""
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from orchestrator import gpu, launcher
+from orchestrator.types import Command, ExitStatus, GpuSnapshot
+
+GIB = 1024**3
+
+
+class Trainer(Protocol):
+    """A launched trainer, as the loop sees it. `status` is set once it has exited."""
+
+    pid: int
+    create_time: float
+    log_path: Path
+    started_at: float        # wall clock
+    started_mono: float      # monotonic, for the startup timeout
+    status: ExitStatus | None
+
+
+class Host(Protocol):
+    # --- clock
+    def now(self) -> float: ...
+    def monotonic(self) -> float: ...
+    def wait(self, event: threading.Event, timeout_s: float) -> bool:
+        """Sleep up to timeout_s, woken early by `event`; returns event.is_set()."""
+    def wait_exit(self, trainer: Trainer, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the trainer to exit (wakes at once when it does)."""
+
+    # --- processes
+    def launch(self, cmd: Command, log_path: Path, run_id: str, cwd: str) -> Trainer: ...
+    def terminate(self, run_id: str, pgids: set[int], grace_s: float) -> list[int]:
+        """SIGTERM the run's processes, grace, SIGKILL what is left; returns the SIGKILLed pids."""
+    def leftovers(self, run_id: str) -> list[int]:
+        """Live pids carrying this run's marker (re-parented descendants included)."""
+    def alive(self, pid: int, create_time: float | None) -> bool: ...
+    def cmdline(self, pid: int) -> str: ...
+    def kill(self, pids: list[int]) -> None: ...
+    def dump_stacks(self, root_pid: int, out: Path) -> None: ...
+    def read_tail(self, path: Path) -> str: ...
+
+    # --- resources
+    def gpu_snapshot(self) -> GpuSnapshot: ...
+    def port_free(self, port: int) -> bool: ...
+    def free_gib(self, path: str) -> float: ...
+
+
+class LocalHost:
+    """This machine: today's launcher, NVML reader, sockets and statvfs."""
+
+    def __init__(self, gpu_reader: gpu.GpuReader) -> None:
+        self.gpus = gpu_reader
+
+    def now(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wait(self, event: threading.Event, timeout_s: float) -> bool:
+        return event.wait(max(0.0, timeout_s))
+
+    def wait_exit(self, trainer: launcher.Launched, timeout_s: float) -> bool:
+        return trainer.exited.wait(max(0.0, timeout_s))
+
+    def launch(self, cmd: Command, log_path: Path, run_id: str, cwd: str) -> launcher.Launched:
+        return launcher.launch(cmd, log_path, run_id, cwd=cwd)
+
+    def terminate(self, run_id: str, pgids: set[int], grace_s: float) -> list[int]:
+        return launcher.terminate(run_id, pgids, grace_s)
+
+    def leftovers(self, run_id: str) -> list[int]:
+        return [p.pid for p in launcher.run_processes(run_id)]
+
+    def alive(self, pid: int, create_time: float | None) -> bool:
+        return launcher.same_process(pid, create_time)
+
+    def cmdline(self, pid: int) -> str:
+        return launcher.cmdline(pid)
+
+    def kill(self, pids: list[int]) -> None:
+        launcher.kill_pids(pids)
+
+    def dump_stacks(self, root_pid: int, out: Path) -> None:
+        launcher.dump_stacks([p.pid for p in launcher.tree(root_pid)], out)
+
+    def read_tail(self, path: Path) -> str:
+        return launcher.read_tail(path)
+
+    def gpu_snapshot(self) -> GpuSnapshot:
+        return self.gpus.snapshot()
+
+    def port_free(self, port: int, host: str = "127.0.0.1") -> bool:
+        return port_free(port, host)
+
+    def free_gib(self, path: str) -> float:
+        return free_gib(path)
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def first_free_port(lo: int, hi: int, avoid: set[int] = frozenset(), is_free=port_free) -> int | None:
+    return next((p for p in range(lo, hi + 1) if p not in avoid and is_free(p)), None)
+
+
+def existing_parent(path: Path) -> Path:
+    def exists(p: Path) -> bool:
+        try:
+            return p.exists()
+        except OSError:  # ENAMETOOLONG, EACCES: treat as absent
+            return False
+    while not exists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_gib(path: str) -> float:
+    return shutil.disk_usage(existing_parent(Path(path))).free / GIB
