@@ -421,10 +421,11 @@ class Supervisor:
                              hang_detected_at=a.hang_at))
 
     def _shutdown(self) -> None:
-        if not self.sidecar:  # pre-flight did not finish: nothing ran
+        if not self.sidecar:  # pre-flight did not finish (nothing ran), or already shut down
             if self.lock:
                 self.journal.close()
                 self.lock.release()
+                self.lock = None
             return
         if self.state is State.COMPLETED and self.attempt and self.attempt.row.ended_at is None:
             self._drain(self.attempt)
@@ -442,3 +443,4 @@ class Supervisor:
         self.metrics.close()
         self.journal.close()
         self.lock.release()
+        self.sidecar = self.lock = None

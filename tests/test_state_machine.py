@@ -1,0 +1,442 @@
+"""The supervisor's state machine, table-tested: for each state and event, the next state and the host
+calls made. No processes and no real time: an in-memory host (tests/fake_host.py) with a fake clock;
+files (journal, logs, checkpoints) are real, in tmp_path."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from fake_host import FakeHost
+from orchestrator.journal import Journal, journal_path
+from orchestrator.recipe import load
+from orchestrator.rundir import state_dir
+from orchestrator.supervisor import Supervisor
+from orchestrator.types import Action, Crash, CrashClass, ExitCode, State
+
+MAX = 10
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB"
+BASE = {
+    "run": {"entrypoint": [sys.executable]},
+    "optim": {"iterations": MAX},
+    "supervisor": {"wait_s": 90, "force_wait_s": 120, "nccl_settle_s": 30, "hang_timeout_s": 600,
+                   "startup_timeout_s": 1800, "min_free_gib": 0.01, "poll_s": 0.5, "port_range": [29500, 29509]},
+    "metrics": {"enabled": False},
+}
+
+
+@pytest.fixture
+def world(write_recipe):
+    made = []
+
+    def make(**sections) -> tuple[Supervisor, FakeHost]:
+        over = {k: {**BASE.get(k, {}), **sections.get(k, {})} for k in {*BASE, *sections}}
+        host = FakeHost()
+        sup = Supervisor(load(write_recipe(**over)), host=host, install_signals=False)
+        made.append(sup)
+        return sup, host
+
+    yield make
+    for sup in made:  # release the lock and the journal, as the process exit would
+        sup._shutdown()
+
+
+def drive(sup: Supervisor, until: State, limit: int = 20) -> State:
+    for _ in range(limit):
+        if sup.state is until:
+            return sup.state
+        sup.step()
+    raise AssertionError(f"never reached {until.value}; stuck in {sup.state.value}")
+
+
+def running(sup: Supervisor, host: FakeHost):
+    drive(sup, State.RUNNING)
+    return host.trainers[-1]
+
+
+def crashed(sup: Supervisor, host: FakeHost, *lines: str, code: int = 1, at_step: int = 5):
+    """A trainer that trained to `at_step`, printed `lines` and exited with `code`: one RUNNING pass."""
+    t = running(sup, host)
+    if at_step:
+        t.steps(1, at_step, MAX)
+    t.write(*lines)
+    t.exit(code=code)
+    assert sup.step() is State.CRASHED
+    return t
+
+
+def journal(sup: Supervisor) -> Journal:
+    return Journal(journal_path(state_dir(sup.out)), readonly=True)
+
+
+# --- PREFLIGHT ------------------------------------------------------------------------------------
+def test_preflight_checks_gpus_and_leftovers_then_verifies(world):
+    sup, host = world()
+    assert sup.step() is State.VERIFYING
+    assert host.names()[:1] == ["gpu_snapshot"] and "launch" not in host.names()
+
+
+def test_preflight_stops_a_predecessors_leftovers(world):
+    sup, host = world()
+    host.leftover_pids = [777]
+    sup.step()
+    assert ("terminate", ()) in host.calls, "leftovers of this run are stopped before anything launches"
+
+
+def test_preflight_of_a_completed_run_launches_nothing(world):
+    sup, host = world()
+    t = running(sup, host)
+    t.steps(1, MAX, MAX)
+    t.exit(code=0)
+    assert sup.step() is State.COMPLETED
+    sup._shutdown()
+    again, host2 = world()
+    assert again.step() is State.COMPLETED and "launch" not in host2.names()
+
+
+# --- VERIFYING ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("holders, cmdlines, patterns, next_state, killed", [
+    ({}, {}, [], State.LAUNCHING, None),                                        # clear
+    ({0: [500]}, {500: "python train.py"}, [], State.VERIFYING, None),         # foreign holder: spared, retry
+    ({0: [500]}, {500: "python stale_eval.py"}, ["stale_eval"], State.LAUNCHING, (500,)),  # allowed by pattern
+    ({3: [600]}, {}, [], State.LAUNCHING, (600,)),                              # our own leftover
+])
+def test_verifying(world, holders, cmdlines, patterns, next_state, killed):
+    sup, host = world(gpu={"kill_patterns": patterns})
+    drive(sup, State.VERIFYING)
+    host.holders, host.cmdlines = holders, cmdlines
+    if 600 in cmdlines or {3: [600]} == holders:
+        host.leftover_pids = [600]
+    host.calls.clear()
+    assert sup.step() is next_state
+    kills = [c[1] for c in host.calls if c[0] == "kill"]
+    if killed is None:
+        assert all(not k for k in kills), f"never kill a foreign holder: {kills}"
+        if next_state is State.VERIFYING:
+            assert sup.gpu_backoff_s > 0 and "launch" not in host.names()
+    else:
+        assert kills == [killed]
+        assert ("wait", 1.0) in host.calls, "force_wait_s before checking again"
+
+
+def test_verifying_with_a_stop_requested_stops(world):
+    sup, host = world()
+    drive(sup, State.VERIFYING)
+    sup.request_stop("test")
+    assert sup.step() is State.STOPPED and "launch" not in host.names()
+
+
+# --- LAUNCHING ------------------------------------------------------------------------------------
+def test_launch_records_the_row_and_starts_the_trainer(world):
+    sup, host = world()
+    drive(sup, State.LAUNCHING)
+    assert sup.step() is State.RUNNING
+    t = host.trainers[0]
+    assert t.cmd.env.get("MASTER_PORT") == "29500"
+    row = journal(sup).last_attempt()
+    assert row.n == 1 and row.pid == t.pid and row.port == 29500 and row.start_step == 0
+
+
+def test_launch_without_a_free_port_waits_and_verifies_again(world):
+    sup, host = world()
+    drive(sup, State.LAUNCHING)
+    host.taken_ports = set(range(29500, 29510))
+    assert sup.step() is State.VERIFYING and "launch" not in host.names()
+    assert ("wait", 1.0) in host.calls
+
+
+# --- RUNNING --------------------------------------------------------------------------------------
+def _exit_ok(sup, host, t):
+    t.steps(1, MAX, MAX)
+    t.exit(code=0)
+
+
+def _exit_0_early(sup, host, t):
+    t.steps(1, 4, MAX)
+    t.exit(code=0)
+
+
+def _oom(sup, host, t):
+    t.steps(1, 4, MAX)
+    t.write(OOM)
+    t.exit(code=1)
+
+
+def _killed(sup, host, t):
+    t.steps(1, 4, MAX)
+    t.exit(signal=9)
+
+
+def _nan(sup, host, t):
+    t.steps(1, 3, MAX)
+    t.write(str({"loss": "nan", "grad_norm": "nan", "global_step/max_steps": f"4/{MAX}"}))
+
+
+def _silent(sup, host, t):
+    t.steps(1, 2, MAX)
+    sup.step()                     # sees step 2
+    host.mono += 601               # then nothing for longer than hang_timeout_s
+
+
+def _no_first_step(sup, host, t):
+    host.mono += 1801              # startup_timeout_s without a step
+
+
+def _stop(sup, host, t):
+    t.steps(1, 2, MAX)
+    sup.request_stop("operator")
+
+
+def _progressing(sup, host, t):
+    t.steps(1, 3, MAX)
+
+
+@pytest.mark.parametrize("event, next_state, cls, calls", [
+    (_exit_ok, State.COMPLETED, None, []),
+    (_exit_0_early, State.CRASHED, CrashClass.OTHER, []),
+    (_oom, State.CRASHED, CrashClass.OOM_DURING_TRAINING, []),
+    (_killed, State.CRASHED, CrashClass.HOST_OOM_KILLED, []),
+    (_nan, State.CRASHED, CrashClass.NAN_LOSS, []),
+    (_silent, State.CRASHED, CrashClass.NCCL_TIMEOUT_HANG, ["dump_stacks"]),
+    (_no_first_step, State.CRASHED, CrashClass.NCCL_TIMEOUT_HANG, ["dump_stacks"]),
+    (_stop, State.STOPPING, None, []),
+    (_progressing, State.RUNNING, None, []),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_running(world, event, next_state, cls, calls):
+    sup, host = world()
+    t = running(sup, host)
+    event(sup, host, t)
+    host.calls.clear()
+    assert sup.step() is next_state
+    if cls is not None:
+        assert sup.attempt.crash.cls is cls, sup.attempt.crash
+    for name in calls:
+        assert name in host.names()
+    assert "terminate" not in host.names(), "RUNNING only watches; cleaning is its own state"
+
+
+def test_startup_oom_is_cold_start(world):
+    sup, host = world()
+    t = running(sup, host)
+    t.write(OOM)
+    t.exit(code=1)
+    assert sup.step() is State.CRASHED and sup.attempt.crash.cls is CrashClass.COLD_START_OOM
+
+
+def test_hang_is_measured_on_the_monotonic_clock(world):
+    """A wall-clock jump (NTP step) is not a hang: only monotonic time counts."""
+    import fake_host
+
+    sup, host = world()
+    t = running(sup, host)
+    t.steps(1, 2, MAX)
+    sup.step()
+    fake_host.T0 += 10_000
+    try:
+        assert sup.step() is State.RUNNING
+    finally:
+        fake_host.T0 -= 10_000
+
+
+# --- CRASHED: decide ------------------------------------------------------------------------------
+PORT_TAKEN = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+              "address. port: 29500, useIPv6: False, code: -98, name: EADDRINUSE, message: address already in use")
+
+
+@pytest.mark.parametrize("lines, code, action, wait_s", [
+    ((OOM,), 1, Action.RELAUNCH, 90),
+    (("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error "
+      "(run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5",
+      "ncclUnhandledCudaError: Call to CUDA function failed."), 1, Action.RELAUNCH, 120),
+    (("OSError: [Errno 28] No space left on device",), 1, Action.WAIT_FOR_SPACE, 90),
+    (("ValueError: unknown argument --foo",), 1, Action.GIVE_UP, 0),
+    ((PORT_TAKEN,), 1, Action.RELAUNCH, 0),
+])
+def test_crashed_decides_by_class(world, lines, code, action, wait_s):
+    sup, host = world()
+    crashed(sup, host, *lines, code=code, at_step=0 if lines == (PORT_TAKEN,) else 5)
+    host.calls.clear()
+    assert sup.step() is State.CLEANING
+    assert sup.attempt.decision.action is action and sup.attempt.decision.wait_s == wait_s
+    assert not host.calls, "deciding is pure: no host call"
+
+
+# --- CLEANING -------------------------------------------------------------------------------------
+def test_cleaning_terminates_records_and_waits(world):
+    sup, host = world()
+    t = crashed(sup, host, OOM)
+    sup.step()
+    host.calls.clear()
+    assert sup.step() is State.WAITING
+    assert ("terminate", (t.pid,)) in host.calls
+    row = journal(sup).last_attempt()
+    assert row.ended_at is not None and row.cls is CrashClass.OOM_DURING_TRAINING and row.end_step == 5
+
+
+def test_cleaning_after_give_up_ends_the_run(world):
+    sup, host = world()
+    crashed(sup, host, "ValueError: unknown argument --foo")
+    sup.step()
+    assert sup.step() is State.GAVE_UP and "class `other`" in sup.exit_reason
+
+
+def test_cleaning_in_a_crash_loop_backs_off(world):
+    sup, host = world(supervisor={"max_crashes_per_hour": 1})
+    for _ in range(2):
+        crashed(sup, host, OOM)
+        sup.step()
+        last = sup.step()
+        if last is State.WAITING:
+            drive(sup, State.RUNNING)
+    assert last is State.BACKOFF and sup.attempt.decision.backoff_s > 0
+
+
+# --- WAITING / BACKOFF ----------------------------------------------------------------------------
+def test_waiting_lasts_wait_s_of_the_clock_then_verifies(world):
+    sup, host = world()
+    crashed(sup, host, OOM)
+    sup.step(), sup.step()
+    before = host.mono
+    assert sup.step() is State.VERIFYING
+    assert host.mono - before == pytest.approx(90)
+
+
+def test_waiting_for_disk_space(world):
+    sup, host = world()
+    crashed(sup, host, "OSError: [Errno 28] No space left on device")
+    sup.step(), sup.step()
+    host.free = 0.001
+    assert sup.step() is State.WAITING and ("free_gib", sup.recipe.run.output_dir) in host.calls
+    host.free = 10
+    assert sup.step() is State.VERIFYING
+
+
+def test_a_stop_cuts_a_wait_short(world):
+    sup, host = world()
+    crashed(sup, host, OOM)
+    sup.step(), sup.step()
+    host.on_wait = lambda h, s: sup.request_stop("operator") if h.mono > 30 else None
+    assert sup.step() is State.STOPPED
+    assert host.mono < 90
+
+
+# --- RELAUNCHING ----------------------------------------------------------------------------------
+def test_relaunch_after_port_in_use_takes_a_fresh_port(world):
+    sup, host = world()
+    crashed(sup, host, PORT_TAKEN, at_step=0)
+    assert drive(sup, State.RELAUNCHING) is State.RELAUNCHING
+    sup.step()
+    assert [t.cmd.env["MASTER_PORT"] for t in host.trainers] == ["29500", "29501"]
+
+
+def test_relaunch_keeps_the_port_when_it_is_free(world):
+    sup, host = world()
+    crashed(sup, host, OOM)
+    drive(sup, State.RUNNING)
+    assert [t.cmd.env["MASTER_PORT"] for t in host.trainers] == ["29500", "29500"]
+    assert journal(sup).last_attempt().n == 2
+
+
+# --- STOPPING -------------------------------------------------------------------------------------
+def test_stopping_records_everything_the_trainer_wrote_on_the_way_out(world):
+    """Issue 10: the recorded last step is the last step the trainer logged, also steps written after
+    the SIGTERM (a JIT save finishing the step) that no pass had read yet."""
+    sup, host = world()
+    t = running(sup, host)
+    t.steps(1, 3, MAX)
+    sup.step()
+    sup.request_stop("operator")
+    assert sup.step() is State.STOPPING
+
+    def terminate(run_id, pgids, grace_s, real=host.terminate):
+        t.steps(4, 6, MAX)  # written between the SIGTERM and the exit
+        return real(run_id, pgids, grace_s)
+    host.terminate = terminate
+    assert sup.step() is State.STOPPED
+    row = journal(sup).last_attempt()
+    assert row.end_step == 6 and row.cls is None and row.ended_at is not None
+    assert journal(sup).get_all()["step"] == 6
+
+
+# --- history across supervisors -------------------------------------------------------------------
+def _nan_crash(sup, host):
+    t = running(sup, host)
+    t.steps(1, 3, MAX)
+    t.write(str({"loss": "nan", "grad_norm": "nan", "global_step/max_steps": f"4/{MAX}"}))
+    t.exit(code=1)
+    assert sup.step() is State.CRASHED and sup.attempt.crash.cls is CrashClass.NAN_LOSS
+    sup.step()
+
+
+def test_nan_twice_gives_up_across_a_supervisor_restart(world):
+    """Killed between two NaN crashes, the next supervisor still gives up on the second."""
+    first, host = world()
+    _nan_crash(first, host)
+    assert first.attempt.decision.action is Action.RELAUNCH
+    assert first.step() is State.WAITING
+    first.lock.release()             # kill -9: no shutdown, the lock goes with the process
+    first.journal.close()
+    first.sidecar = first.lock = None
+    second, host2 = world()
+    _nan_crash(second, host2)
+    assert second.attempt.decision.action is Action.GIVE_UP, second.attempt.decision
+    assert second.step() is State.GAVE_UP
+
+
+def test_crash_loop_count_survives_a_supervisor_restart(world):
+    first, host = world(supervisor={"max_crashes_per_hour": 1})
+    crashed(first, host, OOM)
+    first.step(), first.step()
+    first.lock.release()
+    first.journal.close()
+    first.sidecar = first.lock = None
+    second, host2 = world(supervisor={"max_crashes_per_hour": 1})
+    crashed(second, host2, OOM)
+    second.step()
+    assert second.attempt.decision.alert == "crash_loop", "two crashes within the hour, across supervisors"
+
+
+def test_the_whole_loop_recovers_on_the_fake_clock(world):
+    """One crash and a completion: the full path through run(), in fake time."""
+    sup, host = world()
+
+    def trainer_script(h, seconds):
+        t = h.trainers[-1] if h.trainers else None
+        if t is None or t.status is not None:
+            return
+        if len(h.trainers) == 1:
+            t.steps(1, 5, MAX)
+            t.write(OOM)
+            t.exit(code=1)
+        else:
+            t.steps(1, MAX, MAX)
+            t.exit(code=0)
+    host.on_wait = trainer_script
+    assert sup.run() == ExitCode.OK and sup.state is State.COMPLETED
+    rows = journal(sup).attempts()
+    assert [r.cls for r in rows] == [CrashClass.OOM_DURING_TRAINING, None]
+    assert rows[1].end_step == MAX
+
+
+def test_rebuild_history_table():
+    from orchestrator import policy
+    from orchestrator.types import Attempt
+
+    a = lambda n, cls, start, end, t: Attempt(n, t - 10, start_step=start, end_step=end, ended_at=t, cls=cls)  # noqa: E731
+    h = policy.rebuild_history([a(1, CrashClass.NAN_LOSS, 0, 12, 100.0)], {10})
+    assert h.previous_cls is CrashClass.NAN_LOSS and h.relaunches_without_progress == 0
+    h = policy.rebuild_history([a(1, CrashClass.CUDA_FATAL, 10, 15, 100.0), a(2, CrashClass.CUDA_FATAL, 10, 14, 200.0)],
+                               {10})
+    assert h.relaunches_without_progress == 2 and len(h.crash_times) == 2
+    h = policy.rebuild_history([a(1, None, 0, 5, 100.0)], set())
+    assert h == policy.History(), "a stopped attempt is no crash"
+    h = policy.rebuild_history([Attempt(1, 0.0, start_step=0)], set())
+    assert h == policy.History(), "an attempt still open is no crash"
+    d = policy.decide(Crash(CrashClass.NAN_LOSS), policy.rebuild_history([a(1, CrashClass.NAN_LOSS, 0, 12, 100.0)], {10}),
+                      load_default_supervisor(), 150.0, False)
+    assert d.action is Action.GIVE_UP
+
+
+def load_default_supervisor():
+    from orchestrator.recipe import SupervisorSection
+    return SupervisorSection()
