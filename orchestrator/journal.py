@@ -45,6 +45,12 @@ def _reader(path: Path) -> sqlite3.Connection:
         return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10, check_same_thread=False)
 
 
+def disk_error(e: sqlite3.OperationalError) -> bool:
+    """SQLITE_FULL ("database or disk is full") or an I/O error: the disk, not the journal, is at fault."""
+    msg = str(e).lower()
+    return "full" in msg or "disk i/o" in msg
+
+
 def journal_path(state_dir: Path) -> Path:
     return state_dir / "journal.sqlite"
 
@@ -63,8 +69,30 @@ class Journal:
             self.db.executescript(SCHEMA)
         self.db.row_factory = sqlite3.Row
 
+        self.held: list[tuple[str, object, bool]] = []  # writes a full disk refused, in order
+
     def close(self) -> None:
+        self.flush()
         self.db.close()
+
+    def _write(self, sql: str, params, many: bool = False) -> None:
+        """A write that a full disk cannot lose: refused ones are held in memory, in order, and replayed by
+        the next write or flush() once space returns. The supervisor must outlive a full disk."""
+        self.held.append((sql, params, many))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Replay held writes; False while the disk still refuses them."""
+        while self.held:
+            sql, params, many = self.held[0]
+            try:
+                (self.db.executemany if many else self.db.execute)(sql, params)
+            except sqlite3.OperationalError as e:
+                if not disk_error(e):
+                    raise
+                return False
+            self.held.pop(0)
+        return True
 
     # --- attempts
     def record_attempt(self, a: Attempt) -> None:
@@ -72,8 +100,8 @@ class Journal:
         row["evidence"] = json.dumps(list(a.evidence))
         row["cls"] = a.cls.value if a.cls else None
         cols = ", ".join(row)
-        self.db.execute(f"INSERT OR REPLACE INTO attempts ({cols}) VALUES ({', '.join('?' * len(row))})",
-                        list(row.values()))
+        self._write(f"INSERT OR REPLACE INTO attempts ({cols}) VALUES ({', '.join('?' * len(row))})",
+                    list(row.values()))
 
     def attempts(self) -> list[Attempt]:
         out = []
@@ -91,8 +119,8 @@ class Journal:
     # --- events
     def event(self, kind: str, message: str, **data) -> None:
         now = self.clock()
-        self.db.execute("INSERT INTO events (at, kind, message, data) VALUES (?, ?, ?, ?)",
-                        (now, kind, message, json.dumps(data, default=str)))
+        self._write("INSERT INTO events (at, kind, message, data) VALUES (?, ?, ?, ?)",
+                    (now, kind, message, json.dumps(data, default=str)))
         if self.echo:
             self.echo(f"{time.strftime('%H:%M:%S', time.localtime(now))} {kind}: {message}")
 
@@ -104,12 +132,12 @@ class Journal:
     # --- checkpoints
     def record_checkpoint(self, step: int, path: str, ok: bool, problems: tuple[str, ...] = (),
                           loss: float | None = None, recipe_hash: str | None = None) -> None:
-        self.db.execute("INSERT OR REPLACE INTO checkpoints (step, path, ok, problems, loss, recipe_hash, verified_at,"
-                        " synced_at) VALUES (?, ?, ?, ?, ?, ?, ?, (SELECT synced_at FROM checkpoints WHERE step = ?))",
-                        (step, path, int(ok), json.dumps(list(problems)), loss, recipe_hash, self.clock(), step))
+        self._write("INSERT OR REPLACE INTO checkpoints (step, path, ok, problems, loss, recipe_hash, verified_at,"
+                    " synced_at) VALUES (?, ?, ?, ?, ?, ?, ?, (SELECT synced_at FROM checkpoints WHERE step = ?))",
+                    (step, path, int(ok), json.dumps(list(problems)), loss, recipe_hash, self.clock(), step))
 
     def mark_synced(self, step: int) -> None:
-        self.db.execute("UPDATE checkpoints SET synced_at = ? WHERE step = ?", (self.clock(), step))
+        self._write("UPDATE checkpoints SET synced_at = ? WHERE step = ?", (self.clock(), step))
 
     def checkpoints(self) -> list[dict]:
         return [dict(r) | {"problems": json.loads(r["problems"])}
@@ -117,15 +145,15 @@ class Journal:
 
     # --- time between attempts (cleanup, verify, wait, backoff), for goodput
     def span(self, start: float, end: float, kind: str) -> None:
-        self.db.execute("INSERT INTO spans (start, end, kind) VALUES (?, ?, ?)", (start, end, kind))
+        self._write("INSERT INTO spans (start, end, kind) VALUES (?, ?, ?)", (start, end, kind))
 
     def spans(self) -> list[tuple[float, float, str]]:
         return [tuple(r) for r in self.db.execute("SELECT start, end, kind FROM spans ORDER BY start")]
 
     # --- live status
     def put(self, **values) -> None:
-        self.db.executemany("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)",
-                            [(k, json.dumps(v, default=str)) for k, v in values.items()])
+        self._write("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)",
+                    [(k, json.dumps(v, default=str)) for k, v in values.items()], many=True)
 
     def get_all(self) -> dict:
         return {r["key"]: json.loads(r["value"]) for r in self.db.execute("SELECT key, value FROM kv")}

@@ -118,6 +118,8 @@ class Supervisor:
         now, mono = self.host.now(), self.host.monotonic()
         self.heartbeat.ping_if_due(mono)
         self.metrics.tick(now)
+        if self.journal.held and self.journal.flush():
+            self.journal.event("disk_full", "journal writes held while the disk was full are recorded now")
         self.sidecar.report()
         if mono - self.goodput_at >= GOODPUT_EVERY_S:
             self.goodput_at = mono
@@ -158,8 +160,9 @@ class Supervisor:
         pending = previous.get("nan_pending")
         if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
             self.checkpoints.quarantine(pending["step"], pending["attempt"])
-        self.history = policy.rebuild_history(self.journal.attempts(),
-                                              {c["step"] for c in self.journal.checkpoints() if c["ok"]})
+        earlier = self.journal.attempts()
+        self.attempts_before = earlier[-1].n if earlier else 0  # attempt numbers continue the journal's
+        self.history = policy.rebuild_history(earlier, {c["step"] for c in self.journal.checkpoints() if c["ok"]})
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:
@@ -224,8 +227,7 @@ class Supervisor:
             self.journal.event("port", f"no free rendezvous port in {lo}-{hi}; retrying")
             self._sleep(r.supervisor.wait_s)
             return State.VERIFYING
-        last = self.journal.last_attempt()
-        n = last.n + 1 if last else 1
+        n = (before.n if before else self.attempts_before) + 1  # in memory: a full disk may hold the journal's rows
         cmd = render_command(r, resume, port)
         log = self.state_dir / "attempts" / f"attempt-{n:04d}.log"
         # The row first: a supervisor killed right after the launch leaves a row its successor closes.
@@ -281,7 +283,8 @@ class Supervisor:
         return State.RUNNING
 
     def _crashed(self, found: Crash | None) -> State:
-        """`found`: what the supervisor itself saw (hang, NaN); otherwise classify the log."""
+        """`found`: what the supervisor itself saw (hang, NaN); otherwise classify the log. A disk found
+        full at the crash outranks the log: the trainer's own error line may be what it could not write."""
         a = self.attempt
         if found is None:
             found = classify.classify(self.host.read_tail(a.launched.log_path), a.launched.status, self._phase())
@@ -289,8 +292,19 @@ class Supervisor:
                 last = a.last.step if a.last else None
                 found = Crash(CrashClass.OTHER, (f"trainer exited 0 at step {last} before max steps",) + found.evidence,
                               found.phase)
+        full = self._disk_full()
+        if full and found.cls is not CrashClass.DISK_FULL:
+            found = Crash(CrashClass.DISK_FULL, (full, f"(the log alone said {found.cls.value})") + found.evidence,
+                          found.phase)
         a.crash = found
         return State.CRASHED
+
+    def _disk_full(self) -> str | None:
+        """Evidence that output_dir's disk is full now: less free than min_free_gib, capped at 1 GiB (a
+        disk with more free than that was not what failed a write)."""
+        out, need = self.recipe.run.output_dir, min(self.recipe.supervisor.min_free_gib, 1.0)
+        free = self.host.free_gib(out)
+        return f"disk full at the crash: {out} has {free:.3g} GiB free" if free < need else None
 
     def _decide(self) -> State:
         a, now = self.attempt, self.host.now()
