@@ -37,7 +37,7 @@ from orchestrator.run_checkpoints import RunCheckpoints
 from orchestrator.rundir import RunLock, place, run_id, state_dir
 from orchestrator.sidecar import Sidecar
 from orchestrator.spot import from_recipe as spot_notice
-from orchestrator.types import TERMINAL_STATES, Action, Attempt, Crash, CrashClass, Decision, ExitCode, Phase, State
+from orchestrator.types import TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, Decision, ExitCode, Phase, State
 from orchestrator.watch import AttemptWatch
 
 CHECKPOINT_SCAN_S = 2.0
@@ -318,10 +318,10 @@ class Supervisor:
                 self.journal.event("disk_full", f"{self.recipe.run.output_dir}: {free:.1f} GiB free, waiting for {need:g}")
                 self._pass_done()
                 return State.WAITING
-            self.metrics.alert("disk_full", False)
+            self.metrics.alert(Alert.DISK_FULL, False)
         self.journal.span(started, self.clock(), "backoff" if d.backoff_s else "wait")
-        if d.alert == "crash_loop":
-            self.metrics.alert("crash_loop", False)
+        if d.alert == Alert.CRASH_LOOP:
+            self.metrics.alert(Alert.CRASH_LOOP, False)
         self._pass_done()
         return State.VERIFYING
 
