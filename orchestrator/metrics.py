@@ -7,8 +7,9 @@ called from the supervisor loop at least once a minute: it refreshes the time-de
 (checkpoint age, heartbeat, GPUs-not-clear duration, sync lag), and a stale heartbeat is exactly
 how OrchestratorSupervisorDown notices a wedged loop behind a live HTTP thread.
 
-Label values are pre-created (every State, CrashClass, lost-time cause and known alert) so that
-series exist at 0 from the first scrape: rate()/increase() need a 0 sample to see the first crash.
+Label values are pre-created (every State, CrashClass, lost-time cause and supervisor-raised
+alert) so that series exist at 0 from the first scrape: rate()/increase() need a 0 sample to see the
+first crash.
 monitoring/alerts.yml and monitoring/grafana-dashboard.json use only names exposed here
 (tests/test_alert_rules.py checks that).
 """
@@ -23,10 +24,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from .goodput import LOST_CAUSES
-from .types import CrashClass, GpuSnapshot, Progress, State
+from .recipe import SupervisorSection
+from .types import Alert, CrashClass, GpuSnapshot, Progress, State
 
-# orchestrator_alert_active{alert} values pre-created at 0 (Decision.alert may add others).
-KNOWN_ALERTS: tuple[str, ...] = ("crash_loop", "disk_full", "no_checkpoint_progress", "resume_divergence")
+# The alerts whose state only the supervisor knows: it raises and clears them through alert(), as
+# orchestrator_alert_active{alert}. Every other Alert is derived by Prometheus from the metrics here.
+#   disk_full           raised with policy's WAIT_FOR_SPACE decision; cleared once enough space is free
+#   checkpoint_invalid  raised by run_checkpoints when a checkpoint newer than every verified one fails
+#                       verification; cleared when a newer one verifies ok
+RAISED_BY_SUPERVISOR: frozenset[Alert] = frozenset({Alert.DISK_FULL, Alert.CHECKPOINT_INVALID})
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
 
@@ -73,6 +79,8 @@ class Metrics:
     restarted supervisor gets a fresh grace period instead of inheriting the run's age.
     sync_enabled: a checkpoint not yet synced makes the sync lag grow in tick(), so a dead sync
     thread shows up (without it, only sync_done() sets the lag).
+    max_crashes_per_hour: the recipe's crash-loop limit, exported so OrchestratorCrashLoop fires where
+    the policy starts backing off.
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class Metrics:
         *,
         started_at: float | None = None,
         sync_enabled: bool = False,
+        max_crashes_per_hour: int = SupervisorSection.model_fields["max_crashes_per_hour"].default,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._clock = clock
@@ -109,6 +118,9 @@ class Metrics:
                             ("state",))
         self._crashes = counter("orchestrator_crashes", "Trainer crashes, by crash class.", ("class",))
         self._restarts = counter("orchestrator_restarts", "Trainer relaunches after a crash or hang.")
+        gauge("orchestrator_max_crashes_per_hour",
+              "The recipe's supervisor.max_crashes_per_hour: more crashes in an hour (port_in_use aside) "
+              "is a crash loop.").set(max_crashes_per_hour)
         self._step = gauge("orchestrator_training_step", "Last logged training step.")
         self._max_steps = gauge("orchestrator_training_max_steps", "Total training steps (0 if unknown).")
         self._loss = gauge("orchestrator_loss", "Last logged training loss.")
@@ -148,8 +160,9 @@ class Metrics:
             self._state.labels(s.value).set(0)
         for c in CrashClass:
             self._crashes.labels(c.value)
-        for a in KNOWN_ALERTS:
-            self._alert.labels(a).set(0)
+        for a in Alert:
+            if a in RAISED_BY_SUPERVISOR:
+                self._alert.labels(a.value).set(0)
         self._gpus_clear.set(1)
         self._progress_ts.set(created)
         self.tick(created)
@@ -258,9 +271,14 @@ class Metrics:
         self._goodput.set(ratio)
         self._lost.update(lost)
 
-    def alert(self, name: str, active: bool) -> None:
-        """Raise (or clear) a supervisor-side alert, e.g. Decision.alert ('disk_full', 'crash_loop')."""
-        self._alert.labels(name).set(1 if active else 0)
+    def alert(self, alert: Alert, active: bool) -> None:
+        """Raise (or clear) one of the RAISED_BY_SUPERVISOR alerts (Decision.alert, say)."""
+        if not isinstance(alert, Alert):
+            raise TypeError(f"alert must be an Alert member, got {alert!r}")
+        if alert not in RAISED_BY_SUPERVISOR:
+            raise ValueError(f"{alert} is derived by Prometheus from the metrics (monitoring/alerts.yml), "
+                             "not raised by the supervisor")
+        self._alert.labels(alert.value).set(1 if active else 0)
 
     def tick(self, now: float) -> None:
         with self._lock:

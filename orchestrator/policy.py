@@ -3,11 +3,11 @@
 Per-class actions (the field procedure, made explicit):
   port_in_use        relaunch at once on a fresh port; not counted against the crash budget
   nccl_*             relaunch after wait_s + nccl_settle_s (NCCL IPC handles need time to go)
-  disk_full          no blind restart: wait for free space, alert
+  disk_full          no blind restart: wait for free space, raising the disk_full alert meanwhile
   other              give up: a bad argument or an import error does not fix itself
   nan_loss           relaunch once from the last good checkpoint; twice in a row: give up
   everything else    relaunch after wait_s
-Guards: more than max_crashes_per_hour → exponential backoff and a crash_loop alert;
+Guards: more than max_crashes_per_hour → exponential backoff (OrchestratorCrashLoop fires on the same count);
 max_relaunches_without_progress relaunches in a row with no new good checkpoint → give up (exit 3).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.recipe import SupervisorSection
-from orchestrator.types import Action, Attempt, Crash, CrashClass, Decision
+from orchestrator.types import Action, Alert, Attempt, Crash, CrashClass, Decision
 
 HOUR = 3600.0
 # Failures that say nothing about the training's health: they do not count toward the crash loop.
@@ -39,16 +39,15 @@ def decide(crash: Crash, history: History, cfg: SupervisorSection, now: float, c
     """`checkpoint_progress`: a newer good checkpoint exists than when this attempt was launched."""
     cls = crash.cls
     if cls is CrashClass.OTHER:
-        return Decision(Action.GIVE_UP, "class `other`: retrying cannot help (see the evidence)", alert="gave_up")
+        return Decision(Action.GIVE_UP, "class `other`: retrying cannot help (see the evidence)")
     if cls is CrashClass.NAN_LOSS and history.previous_cls is CrashClass.NAN_LOSS:
-        return Decision(Action.GIVE_UP, "nan_loss twice in a row from the same checkpoint", alert="gave_up")
+        return Decision(Action.GIVE_UP, "nan_loss twice in a row from the same checkpoint")
     stalled = 0 if checkpoint_progress else history.relaunches_without_progress + (cls not in _FREE_RETRIES)
     if stalled >= cfg.max_relaunches_without_progress:
-        return Decision(Action.GIVE_UP, f"{stalled} relaunches in a row without checkpoint progress",
-                        alert="gave_up")
+        return Decision(Action.GIVE_UP, f"{stalled} relaunches in a row without checkpoint progress")
     if cls is CrashClass.DISK_FULL:
         return Decision(Action.WAIT_FOR_SPACE, "disk full: waiting for free space before relaunching",
-                        wait_s=cfg.wait_s, alert="disk_full")
+                        wait_s=cfg.wait_s, alert=Alert.DISK_FULL)
     if cls in _FREE_RETRIES:
         return Decision(Action.RELAUNCH, "rendezvous port taken: relaunch on a fresh port", new_port=True)
     wait = cfg.wait_s + (cfg.nccl_settle_s if cls in _NCCL else 0.0)
@@ -56,7 +55,7 @@ def decide(crash: Crash, history: History, cfg: SupervisorSection, now: float, c
     if count > cfg.max_crashes_per_hour:
         backoff = min(cfg.backoff_max_s, max(cfg.wait_s, 1.0) * 2 ** (count - cfg.max_crashes_per_hour))
         return Decision(Action.RELAUNCH, f"{count} crashes in the last hour (limit {cfg.max_crashes_per_hour}): "
-                        f"backing off {backoff:.0f} s", wait_s=wait, backoff_s=backoff, alert="crash_loop")
+                        f"backing off {backoff:.0f} s", wait_s=wait, backoff_s=backoff)
     return Decision(Action.RELAUNCH, f"{cls.value}: relaunch from the newest good checkpoint", wait_s=wait)
 
 

@@ -1,5 +1,6 @@
-"""The run's checkpoints as the supervisor tracks them: each verified once as it appears (alert at once when
-bad), manifests hashed off the loop, NaN-poisoned ones quarantined, and the resume point chosen."""
+"""The run's checkpoints as the supervisor tracks them: each verified once as it appears (the checkpoint_invalid
+alert raised at once when bad, cleared when a newer one verifies ok), manifests hashed off the loop, NaN-poisoned
+ones quarantined, and the resume point chosen."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ from orchestrator import checkpoints, manifest
 from orchestrator.journal import Journal
 from orchestrator.metrics import Metrics
 from orchestrator.recipe import Recipe
-from orchestrator.types import CheckpointInfo, Resume
+from orchestrator.types import Alert, CheckpointInfo, Resume
 
 
 class RunCheckpoints:
@@ -22,6 +23,9 @@ class RunCheckpoints:
         self.recipe, self.hash, self.out = recipe, recipe_hash, out
         self.journal, self.metrics, self.on_saved, self.restore = journal, metrics, on_saved, restore
         self.seen: dict[str, bool] = {}  # path -> verified ok; complete checkpoints are verified once
+        # (step, ok) of the newest checkpoint verified so far (a rewrite of that step replaces it):
+        # the checkpoint_invalid alert is raised exactly while it failed. Unlike `seen`, never forgotten.
+        self.newest_verdict: tuple[int, bool] | None = None
         lora = recipe.lora
         self.expect = checkpoints.LoraExpect(lora.rank, lora.alpha, tuple(lora.target_modules))
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
@@ -31,6 +35,7 @@ class RunCheckpoints:
             if not info.complete:
                 continue
             self.seen[info.path] = info.ok
+            self._verdict(info.step, info.ok)
             self.journal.record_checkpoint(info.step, info.path, info.ok, info.problems, info.loss, self.hash)
             if info.ok:
                 self.metrics.checkpoint_saved(info.step, _mtime(info.path, now))
@@ -43,8 +48,14 @@ class RunCheckpoints:
                     self.on_saved()
             else:
                 self.metrics.checkpoint_invalid()
-                self.metrics.alert("checkpoint_invalid", True)
                 self.journal.event("checkpoint_invalid", f"{Path(info.path).name}: " + "; ".join(info.problems))
+
+    def _verdict(self, step: int, ok: bool) -> None:
+        before = self.newest_verdict
+        if before is None or step >= before[0]:  # discover() goes by step: the newest is verified last
+            self.newest_verdict = (step, ok)
+            if (before is not None and not before[1]) != (not ok):
+                self.metrics.alert(Alert.CHECKPOINT_INVALID, not ok)
 
     def newest_good_step(self) -> int:
         return max((_step(p) for p, ok in self.seen.items() if ok), default=-1)

@@ -42,7 +42,7 @@ from orchestrator.run_checkpoints import RunCheckpoints
 from orchestrator.rundir import RunLock, place, run_id, state_dir
 from orchestrator.sidecar import Sidecar
 from orchestrator.spot import from_recipe as spot_notice
-from orchestrator.types import TERMINAL_STATES, Action, Attempt, Crash, CrashClass, ExitCode, GpuSnapshot, Phase, State
+from orchestrator.types import TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode, GpuSnapshot, Phase, State
 from orchestrator.watch import AttemptWatch
 
 CHECKPOINT_SCAN_S = 2.0
@@ -66,7 +66,8 @@ class Supervisor:
         self.attempt: AttemptWatch | None = None  # the running (or last) attempt
         self.gpu_backoff_s = 0.0
         self.exit_reason = ""
-        self.metrics = Metrics(sync_enabled=recipe.run.persistent_dir is not None, clock=self.host.now)
+        self.metrics = Metrics(sync_enabled=recipe.run.persistent_dir is not None, clock=self.host.now,
+                               max_crashes_per_hour=recipe.supervisor.max_crashes_per_hour)
         self.notifier = Notifier.from_env()
         self.heartbeat = Heartbeat(self.notifier, clock=self.host.monotonic)
         self.spot = spot_notice(recipe.supervisor)
@@ -342,10 +343,8 @@ class Supervisor:
                 self.journal.event("disk_full", f"{self.recipe.run.output_dir}: {free:.1f} GiB free, waiting for {need:g}")
                 self._pass_done()
                 return State.WAITING
-            self.metrics.alert("disk_full", False)
+            self.metrics.alert(Alert.DISK_FULL, False)
         self.journal.span(started, self.host.now(), "backoff" if d.backoff_s else "wait")
-        if d.alert == "crash_loop":
-            self.metrics.alert("crash_loop", False)
         self._pass_done()
         return State.VERIFYING
 

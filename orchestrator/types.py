@@ -155,7 +155,7 @@ class Decision:
     wait_s: float = 0.0          # settle time before verifying GPUs (wait_s, plus NCCL settle for nccl_*)
     new_port: bool = False       # pick a fresh rendezvous port (port_in_use)
     backoff_s: float = 0.0       # extra delay from the crash-loop guard
-    alert: str | None = None     # a visible alert to raise with this decision (crash_loop, disk_full, ...)
+    alert: Alert | None = None   # an alert the supervisor raises with this decision (disk_full)
 
 
 @dataclass(frozen=True)
@@ -216,3 +216,22 @@ class Resume:
     path: str
     step: int
     weights_only: bool = False
+
+
+class Alert(StrEnum):
+    """The closed set of alerts. Each names one rule in monitoring/alerts.yml (its `alert` label) and
+    the runbook page that rule links; tests/test_alert_rules.py keeps the three in step.
+
+    Each alert has one owner. Most are derived by Prometheus from the metrics alone; the supervisor
+    raises and clears only those in metrics.RAISED_BY_SUPERVISOR (orchestrator_alert_active{alert})."""
+
+    CRASH_LOOP = "crash_loop"                      # crashes in 1h > orchestrator_max_crashes_per_hour
+    CHECKPOINT_STALE = "checkpoint_stale"          # checkpoint age while running
+    NO_TRAINING_PROGRESS = "no_training_progress"  # step timestamp while active
+    CHECKPOINT_INVALID = "checkpoint_invalid"      # supervisor: newest verified checkpoint failed
+    SYNC_LAGGING = "sync_lagging"                  # sync lag
+    GPUS_NOT_CLEAR = "gpus_not_clear"              # verification result / time in state verifying
+    NAN_OR_DIVERGENCE = "nan_or_divergence"        # NaN, nan_loss and resume divergence counters
+    SUPERVISOR_DOWN = "supervisor_down"            # up / heartbeat: the supervisor cannot raise this one
+    GAVE_UP = "gave_up"                            # state gave_up (every give-up path, drift included)
+    DISK_FULL = "disk_full"                        # supervisor: waiting for free space

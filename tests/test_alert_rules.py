@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.metrics import Metrics
-from orchestrator.types import CrashClass, GpuInfo, GpuSnapshot, State
+from orchestrator.metrics import RAISED_BY_SUPERVISOR, Metrics
+from orchestrator.types import Alert, CrashClass, GpuInfo, GpuSnapshot, State
 from prom import ALERT_RULES as ALERTS
 from prom import firing, needs_prometheus, poll, query, running_prometheus
 
@@ -97,6 +97,42 @@ def test_alert_has_severity_annotations_and_an_existing_runbook(rule):
 def test_alert_uses_only_exposed_metrics(rule):
     unknown = referenced_names(rule["expr"]) - exposed_names() - PROMETHEUS_BUILTINS
     assert not unknown, f"{rule['alert']} uses metrics Metrics does not expose: {unknown}"
+
+
+# ---------------------------------------------------------------- the closed set: enum, rules, runbooks
+
+
+def rule_of(alert: Alert) -> dict:
+    (rule,) = [r for r in alert_rules() if r["labels"].get("alert") == alert.value]
+    return rule
+
+
+def test_rules_and_the_alert_enum_are_one_set():
+    labels = [r["labels"].get("alert") for r in alert_rules()]
+    assert sorted(labels) == sorted(a.value for a in Alert), "each rule names one Alert member, each member one rule"
+
+
+def test_every_alert_has_a_runbook_heading_and_an_index_row():
+    index = (RUNBOOKS / "README.md").read_text().splitlines()
+    for alert in Alert:
+        rule = rule_of(alert)
+        page = RUNBOOKS / rule["annotations"]["runbook_url"].removeprefix(RUNBOOK_BASE)
+        headings = [line for line in page.read_text().splitlines() if line.startswith("#")]
+        assert any(rule["alert"] in h and f"`{alert}`" in h for h in headings), \
+            f"{page.name} needs a heading naming {rule['alert']} and `{alert}`"
+        rows = [line for line in index if line.startswith(f"| {rule['alert']} |")]
+        assert len(rows) == 1 and f"`{alert}`" in rows[0] and f"]({page.name})" in rows[0], rows
+
+
+@pytest.mark.parametrize("alert", list(Alert), ids=str)
+def test_each_alert_has_one_owner(alert):
+    """The supervisor raises and clears RAISED_BY_SUPERVISOR (orchestrator_alert_active); Prometheus
+    derives every other alert from the metrics, so its rule never reads an alert_active series."""
+    raised = set(re.findall(r'orchestrator_alert_active\{alert="(\w+)"\}', rule_of(alert)["expr"]))
+    if alert in RAISED_BY_SUPERVISOR:
+        assert raised == {alert.value}
+    else:
+        assert raised <= {a.value for a in RAISED_BY_SUPERVISOR} - {alert.value}  # at most as a condition
 
 
 def test_every_alert_has_a_firing_and_a_quiet_unit_test():

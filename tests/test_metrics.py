@@ -9,8 +9,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.goodput import LOST_CAUSES
-from orchestrator.metrics import KNOWN_ALERTS, Metrics, parse_listen
-from orchestrator.types import CrashClass, GpuInfo, GpuSnapshot, Progress, State
+from orchestrator.metrics import RAISED_BY_SUPERVISOR, Metrics, parse_listen
+from orchestrator.types import Alert, CrashClass, GpuInfo, GpuSnapshot, Progress, State
 
 REQUIRED = {
     "orchestrator_crashes_total", "orchestrator_restarts_total", "orchestrator_training_step",
@@ -19,7 +19,7 @@ REQUIRED = {
     "orchestrator_last_checkpoint_step", "orchestrator_checkpoint_invalid_total",
     "orchestrator_sync_lag_seconds", "orchestrator_sync_bytes_total", "orchestrator_state",
     "orchestrator_gpu_memory_used_bytes", "orchestrator_goodput_ratio", "orchestrator_lost_seconds_total",
-    "orchestrator_info",
+    "orchestrator_info", "orchestrator_max_crashes_per_hour",
 }
 
 
@@ -227,13 +227,33 @@ def test_info_labels_are_replaced(m: Metrics):
     assert val(m, "orchestrator_info", run="a", recipe_hash="h1", backend="megatron", model="m1") is None
 
 
-def test_supervisor_alerts(m: Metrics):
-    for a in KNOWN_ALERTS:
-        assert val(m, "orchestrator_alert_active", alert=a) == 0.0
-    m.alert("disk_full", True)
-    assert val(m, "orchestrator_alert_active", alert="disk_full") == 1.0
-    m.alert("disk_full", False)
+def alert_series(m: Metrics) -> dict[str, float]:
+    fams = text_string_to_metric_families(m.exposition().decode())
+    return {s.labels["alert"]: s.value for f in fams for s in f.samples if s.name == "orchestrator_alert_active"}
+
+
+def test_supervisor_alerts_are_precreated_raised_and_cleared(m: Metrics):
+    # Exactly the alerts the supervisor owns exist, at 0: no series that nothing ever raises.
+    assert alert_series(m) == {a.value: 0.0 for a in RAISED_BY_SUPERVISOR}
+    assert RAISED_BY_SUPERVISOR == {Alert.DISK_FULL, Alert.CHECKPOINT_INVALID}
+    m.alert(Alert.DISK_FULL, True)
+    assert alert_series(m) == {"disk_full": 1.0, "checkpoint_invalid": 0.0}
+    m.alert(Alert.DISK_FULL, False)
     assert val(m, "orchestrator_alert_active", alert="disk_full") == 0.0
+
+
+def test_alert_takes_only_a_supervisor_owned_member(m: Metrics):
+    with pytest.raises(TypeError, match="Alert member"):
+        m.alert("disk_full", True)  # type: ignore[arg-type]
+    for a in set(Alert) - RAISED_BY_SUPERVISOR:
+        with pytest.raises(ValueError, match="derived by Prometheus"):
+            m.alert(a, True)
+    assert set(alert_series(m).values()) == {0.0}
+
+
+def test_crash_limit_is_exported_from_the_recipe_value():
+    assert val(Metrics(), "orchestrator_max_crashes_per_hour") == 3.0  # the recipe's default
+    assert val(Metrics(max_crashes_per_hour=12), "orchestrator_max_crashes_per_hour") == 12.0
 
 
 @pytest.mark.parametrize("listen,expected", [

@@ -5,7 +5,8 @@ import pytest
 
 from orchestrator.policy import HOUR, History, crashes_last_hour, decide, hang_verdict, next_history, resume_verdict
 from orchestrator.recipe import SupervisorSection
-from orchestrator.types import Action, Crash, CrashClass
+from orchestrator.metrics import RAISED_BY_SUPERVISOR
+from orchestrator.types import Action, Alert, Crash, CrashClass
 
 CFG = SupervisorSection()  # wait_s 90, nccl_settle_s 30, 3 crashes/hour, 3 relaunches without progress
 NOW = 100_000.0
@@ -21,8 +22,8 @@ def crash(cls: CrashClass) -> Crash:
 # --- one crash, clean history --------------------------------------------------------------------
 
 EXPECTED = {
-    C.OTHER: (Action.GIVE_UP, 0.0, False, "gave_up"),
-    C.DISK_FULL: (Action.WAIT_FOR_SPACE, 90.0, False, "disk_full"),
+    C.OTHER: (Action.GIVE_UP, 0.0, False, None),  # OrchestratorGaveUp reads the state, whatever gave up
+    C.DISK_FULL: (Action.WAIT_FOR_SPACE, 90.0, False, Alert.DISK_FULL),
     C.PORT_IN_USE: (Action.RELAUNCH, 0.0, True, None),
     C.NCCL_ERROR: (Action.RELAUNCH, 120.0, False, None),
     C.NCCL_TIMEOUT_HANG: (Action.RELAUNCH, 120.0, False, None),
@@ -52,6 +53,22 @@ def test_decide_custom_waits(cls):
         assert d.wait_s == (12 if cls in (C.NCCL_ERROR, C.NCCL_TIMEOUT_HANG) else 5)
 
 
+
+@pytest.mark.parametrize("cls", list(CrashClass))
+@pytest.mark.parametrize("history", [
+    History(),
+    History(crash_times=tuple((NOW - 60 * i, C.CUDA_FATAL) for i in range(1, 6))),  # a crash loop
+    History(previous_cls=C.NAN_LOSS),
+    History(relaunches_without_progress=10),                                       # gives up
+], ids=["clean", "crash_loop", "after_nan", "stalled"])
+def test_a_decision_carries_only_the_disk_full_alert(cls, history):
+    """Crash loop and give-up are Prometheus's to raise (from the counters and the state); the policy
+    raises disk_full alone, which only the supervisor can clear (once space is free)."""
+    d = decide(crash(cls), history, CFG, NOW, checkpoint_progress=False)
+    assert d.alert is (Alert.DISK_FULL if d.action is Action.WAIT_FOR_SPACE else None)
+    assert d.alert is None or d.alert in RAISED_BY_SUPERVISOR
+
+
 # --- nan_loss ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("previous,action", [
@@ -65,7 +82,7 @@ def test_nan_loss(previous, action, progress):
     d = decide(crash(C.NAN_LOSS), History(previous_cls=previous), CFG, NOW, progress)
     assert d.action is action
     if action is Action.GIVE_UP:
-        assert "nan" in d.reason and d.alert == "gave_up"
+        assert "nan" in d.reason
 
 
 @pytest.mark.parametrize("cls", [c for c in CrashClass if c not in (C.NAN_LOSS, C.OTHER)])
@@ -104,7 +121,6 @@ def times(*ages: float, cls: CrashClass = C.OOM_DURING_TRAINING) -> tuple:
 ])
 def test_crash_loop(earlier, cls, loop):
     d = decide(crash(cls), History(crash_times=earlier), CFG, NOW, checkpoint_progress=True)
-    assert (d.alert == "crash_loop") is loop
     assert (d.backoff_s > 0) is loop
     if loop:
         assert d.action is Action.RELAUNCH and "crashes in the last hour" in d.reason
@@ -121,7 +137,7 @@ def test_backoff_grows_and_is_capped(n_earlier, backoff):
 def test_backoff_with_zero_wait_is_positive():
     cfg = SupervisorSection(wait_s=0, max_crashes_per_hour=1)
     d = decide(crash(C.CUDA_FATAL), History(times(5)), cfg, NOW, True)
-    assert d.backoff_s > 0 and d.alert == "crash_loop"
+    assert d.backoff_s > 0
 
 
 @pytest.mark.parametrize("earlier,cls,count", [
@@ -151,7 +167,7 @@ def test_no_progress_guard(stalled_before, cls, progress, action):
     d = decide(crash(cls), History(relaunches_without_progress=stalled_before), CFG, NOW, progress)
     assert d.action is action
     if action is Action.GIVE_UP:
-        assert "without checkpoint progress" in d.reason and d.alert == "gave_up"
+        assert "without checkpoint progress" in d.reason
 
 
 @pytest.mark.parametrize("limit", [1, 2, 5])
