@@ -179,3 +179,31 @@ def test_window_end(state, updated_at, end):
     attempts = [Attempt(1, T, ended_at=T + 20), Attempt(2, T + 21, ended_at=T + 38)]
     assert window_end({"state": state, "updated_at": updated_at}, attempts, [Span(T + 38, T + 40, "cleanup")],
                       T + 50) == end
+
+
+def test_running_a_completed_run_again_adds_no_idle_time(tmp_path):
+    """`orchestrator run` on a run that completed a day ago launches nothing; its goodput is unchanged."""
+    import time
+
+    from orchestrator.goodput import goodput_of
+    from orchestrator.recipe import load
+    from orchestrator.supervisor import Supervisor
+    from supervised import journal, supervise, write_recipe
+
+    recipe = write_recipe(tmp_path, iterations=20)
+    code, _ = supervise(recipe)
+    assert code == 0
+    j = journal(tmp_path / "out")
+    before = goodput_of(j)
+    j.close()
+    day_later = Supervisor(load(recipe), install_signals=False, clock=lambda: time.time() + 86_400)
+    assert day_later.run() == 0
+    j = journal(tmp_path / "out")
+    try:
+        assert j.get_all()["updated_at"] > time.time() + 80_000, "the second session did record its time"
+        assert len(j.attempts()) == 1
+        after = goodput_of(j)
+    finally:
+        j.close()
+    assert after.total_s == pytest.approx(before.total_s)
+    assert after.lost == pytest.approx(before.lost)
