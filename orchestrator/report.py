@@ -24,6 +24,7 @@ from orchestrator.types import Attempt, Progress
 TERMINAL = ("completed", "stopped", "gave_up")
 LOSS_WINDOW = 40          # losses shown in the status sparkline
 SPARK = "▁▂▃▄▅▆▇█"
+LOST_SHOWN_S = 0.05       # smaller lost figures are rounding noise (a short demo loses tenths of a second)
 
 
 def goodput_dict(g: goodput.Goodput, digits: int = 1) -> dict:
@@ -97,8 +98,8 @@ def history_table(data: dict) -> str:
         steps = f"{a['start_step'] or 0}->{a['end_step'] if a['end_step'] is not None else '?'}"
         rows.append(f"{a['n']:>3} {ex:>8} {a['class'] or '-':<20} {steps:<13} {a['resumed_from'] or '-'}")
     g = data["goodput"]
-    lost = ", ".join(f"{k} {v:.0f}s" for k, v in g["lost_s"].items() if v >= 0.5)
-    rows.append(f"goodput {g['ratio']:.1%} of {g['total_s']:.0f}s" + (f" (lost: {lost})" if lost else ""))
+    lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
+    rows.append(f"goodput {g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f" (lost: {lost})" if lost else ""))
     return "\n".join(rows)
 
 
@@ -273,7 +274,7 @@ def status_renderable(d: dict):
     else:
         t.add_row("sync", Text("off (no run.persistent_dir)", style="dim"))
     g = d["goodput_detail"]
-    lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= 0.5)
+    lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
     t.add_row("goodput", f"{g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f"  lost: {lost}" if lost else ""))
     events = Table.grid(padding=(0, 1))
     for e in d["events"][-5:]:
