@@ -94,29 +94,44 @@ def supervise(r: Recipe, on_start=None) -> ExitCode:
 
 @main.command()
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".demo"),
-              show_default=True, help="Where the tiny model, data and run go.")
+              show_default=True, help="Where the tiny model, data, run and the demo's recipe file go.")
 @click.option("--crash-at", type=int, default=15, show_default=True,
               help="SIGKILL the trainer at this step of the first attempt (0: no injected crash).")
 @SET
 def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
-    """Build a tiny MoE locally and run the demo recipe supervised, with one injected crash."""
+    """Build a tiny MoE locally and run the demo recipe supervised, with one injected crash.
+
+    The recipe it runs is written to WORKDIR/demo-cpu.toml (--set overrides folded in): give it to
+    status, history, report and run."""
     import shutil
     from importlib.resources import files
 
-    from orchestrator import tiny
-    from orchestrator.demo import inject_kill
+    from orchestrator import demo as guide, tiny
+    from orchestrator.rundir import state_dir
 
     workdir = workdir.resolve()
+    packaged = Path(str(files("orchestrator") / "data" / "demo-cpu.toml"))
+    # Bad --set values fail here, before the build, attributed to --set.
+    load_recipe(packaged, (f"model.path={json.dumps(str(workdir / 'tiny-moe'))}",
+                           f"data.dataset=[{json.dumps(str(workdir / 'data.jsonl'))}]", *overrides))
     click.echo(f"building the tiny MoE model and dataset in {workdir} (offline) ...")
-    info = tiny.build(workdir)
+    tiny.build(workdir)
     shutil.rmtree(workdir / "run", ignore_errors=True)  # a fresh demo run each time
-    path = Path(str(files("orchestrator") / "data" / "demo-cpu.toml"))
-    r = load_recipe(path, (f"model.path={json.dumps(info['model'])}", f"data.dataset=[{json.dumps(info['data'])}]",
-                           f"run.output_dir={json.dumps(str(workdir / 'run' / 'out'))}",
-                           f"run.persistent_dir={json.dumps(str(workdir / 'run' / 'persistent'))}", *overrides))
+    path = guide.write_recipe(packaged, workdir, overrides)
+    r = load_recipe(path, ())
+    click.echo(f"wrote the demo recipe to {path}")
     click.echo(f"running {r.run.name}: {r.optim.iterations} steps, checkpoint every {r.checkpoint.save_steps}"
-               + (f", SIGKILL injected at step {crash_at}" if crash_at else ""))
-    sys.exit(int(supervise(r, on_start=(lambda sup: inject_kill(sup, crash_at)) if crash_at else None)))
+               + (f"; a SIGKILL will hit the trainer once it reaches step {crash_at}" if crash_at else ""))
+    started: list = []
+
+    def on_start(sup) -> None:
+        started.append(sup)
+        if crash_at:
+            guide.inject_kill(sup, crash_at, say=click.echo)
+    code = supervise(r, on_start=on_start)
+    out = Path(started[0].recipe.run.output_dir)  # where it really ran (a drifted recipe runs beside it)
+    click.echo(guide.next_steps(path, state_dir(out) / "report.html", Path.cwd()))
+    sys.exit(int(code))
 
 
 def _journal_for(recipe: Path, overrides: tuple[str, ...]):

@@ -1,6 +1,7 @@
 """Goodput: how much of a run's wall-clock time advanced training that was kept.
 
-Pure: no clock, no I/O. The supervisor passes times it already recorded in the journal.
+The accounting (attempt_spans, account, summarize) is pure: no clock, no I/O. goodput_of() reads
+the times the supervisor recorded in the journal it is given and hands them to it.
 
 Definitions (after Google's ml-goodput-measurement; see shared/research/anchors.md §4)
 
@@ -28,8 +29,15 @@ second is counted twice.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from orchestrator.types import TERMINAL_STATES, Attempt, State
+
+if TYPE_CHECKING:
+    from orchestrator.journal import Journal
 
 PRODUCTIVE = "productive"
 # Label values of orchestrator_lost_seconds_total{cause}; the order is the display order.
@@ -155,3 +163,57 @@ def summarize(spans: Sequence[Span], lo: float, hi: float) -> Goodput:
     total = hi - lo
     lost["other"] = max(0.0, total - productive - sum(v for k, v in lost.items() if k != "other"))
     return Goodput(total, productive, lost, productive / total if total > 0 else 0.0)
+
+
+# ------------------------------------------------------------------------------------------ from the journal
+
+# +5 s: in a journal without saved_at, a checkpoint saved just before a crash is verified by the scan after the exit.
+VERIFY_LAG_S = 5.0
+
+
+def saved_at(ckpt: dict) -> float | None:
+    """When the trainer finished writing a checkpoint row's files (journals before saved_at: when verified)."""
+    return ckpt.get("saved_at") or ckpt.get("verified_at")
+
+
+def attempt_times(attempts: list[Attempt], ckpts: list[dict], completed: bool) -> list[AttemptTimes]:
+    """Journal rows -> AttemptTimes. An attempt's kept checkpoint is the one the next attempt resumed
+    from, dated by its save time: the work after it, up to the attempt's end, is redone."""
+    out = []
+    by_step = {c["step"]: c for c in ckpts if c["ok"] and saved_at(c)}
+    for i, a in enumerate(attempts):
+        end = a.ended_at
+        mine = [c for c in by_step.values() if a.started_at <= saved_at(c)
+                and (end is None or saved_at(c) <= end + (0.0 if c.get("saved_at") else VERIFY_LAG_S))]
+        if i + 1 < len(attempts):  # the kept work is what the next attempt resumed from
+            used = by_step.get(attempts[i + 1].start_step)
+            mine = [used] if used in mine else []
+        out.append(AttemptTimes(a.started_at, end, a.first_step_at, a.last_step_at,
+                                max((saved_at(c) for c in mine), default=None), a.hang_detected_at,
+                                completed and i == len(attempts) - 1))
+    return out
+
+
+def window_end(kv: dict, attempts: list[Attempt], spans: list[Span], now: float) -> float:
+    """The end of the accounting window. A live run: now. A stopped or failed run: its last update.
+    A completed run: when its work ended (last attempt exit or recorded span), so running
+    `orchestrator run` again on it later (nothing to launch) adds no idle time."""
+    state = kv.get("state")
+    if state not in {s.value for s in TERMINAL_STATES}:
+        return now
+    updated = kv.get("updated_at") or now
+    if state != State.COMPLETED.value:
+        return updated
+    ends = [a.ended_at for a in attempts if a.ended_at is not None] + [s.end for s in spans]
+    return min(updated, max(ends)) if ends else updated
+
+
+def goodput_of(j: Journal, now: float | None = None) -> Goodput:
+    """The run's goodput from its journal, up to `now` (default: the wall clock) for a live run."""
+    kv = j.get_all()
+    attempts = j.attempts()
+    now = now or time.time()
+    spans = [Span(s, e, k) for s, e, k in j.spans()]
+    end = window_end(kv, attempts, spans, now)
+    done = kv.get("state") == State.COMPLETED.value
+    return account(attempt_times(attempts, j.checkpoints(), done), spans, now=end)

@@ -25,9 +25,17 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL DEFAULT '{}');
 CREATE TABLE IF NOT EXISTS checkpoints (
     step INTEGER PRIMARY KEY, path TEXT NOT NULL, ok INTEGER NOT NULL, problems TEXT NOT NULL DEFAULT '[]',
-    loss REAL, recipe_hash TEXT, verified_at REAL, synced_at REAL);
+    loss REAL, recipe_hash TEXT, verified_at REAL, synced_at REAL, saved_at REAL);
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# Columns added after a release, for journals written before them: (table, column, type).
+ADDED_COLUMNS = (("checkpoints", "saved_at", "REAL"),)
+
+
+def _add_columns(db: sqlite3.Connection) -> None:
+    for table, column, kind in ADDED_COLUMNS:
+        if column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
 
 def _reader(path: Path) -> sqlite3.Connection:
@@ -67,8 +75,8 @@ class Journal:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.executescript(SCHEMA)
+            _add_columns(self.db)
         self.db.row_factory = sqlite3.Row
-
         self.held: list[tuple[str, object, bool]] = []  # writes a full disk refused, in order
 
     def close(self) -> None:
@@ -131,10 +139,14 @@ class Journal:
 
     # --- checkpoints
     def record_checkpoint(self, step: int, path: str, ok: bool, problems: tuple[str, ...] = (),
-                          loss: float | None = None, recipe_hash: str | None = None) -> None:
+                          loss: float | None = None, recipe_hash: str | None = None,
+                          saved_at: float | None = None) -> None:
+        """`saved_at`: when the trainer finished writing it (goodput charges the work after it when it is lost)."""
         self._write("INSERT OR REPLACE INTO checkpoints (step, path, ok, problems, loss, recipe_hash, verified_at,"
-                    " synced_at) VALUES (?, ?, ?, ?, ?, ?, ?, (SELECT synced_at FROM checkpoints WHERE step = ?))",
-                    (step, path, int(ok), json.dumps(list(problems)), loss, recipe_hash, self.clock(), step))
+                    " synced_at, saved_at) VALUES (?, ?, ?, ?, ?, ?, ?,"
+                    " (SELECT synced_at FROM checkpoints WHERE step = ?), ?)",
+                    (step, path, int(ok), json.dumps(list(problems)), loss, recipe_hash, self.clock(), step,
+                     saved_at))
 
     def mark_synced(self, step: int) -> None:
         self._write("UPDATE checkpoints SET synced_at = ? WHERE step = ?", (self.clock(), step))

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from orchestrator import goodput, progress
+from orchestrator.goodput import goodput_of
 from orchestrator.checkpoints import CKPT_RE
 from orchestrator.manifest import read_manifest
 from orchestrator.journal import Journal, journal_path
@@ -23,32 +24,7 @@ from orchestrator.types import Attempt, Progress
 TERMINAL = ("completed", "stopped", "gave_up")
 LOSS_WINDOW = 40          # losses shown in the status sparkline
 SPARK = "▁▂▃▄▅▆▇█"
-
-
-def attempt_times(attempts: list[Attempt], ckpts: list[dict], completed: bool) -> list[goodput.AttemptTimes]:
-    out = []
-    by_step = {c["step"]: c for c in ckpts if c["ok"] and c["verified_at"]}
-    for i, a in enumerate(attempts):
-        end = a.ended_at
-        # +5 s: a checkpoint saved just before the crash is verified by the scan after the exit.
-        mine = [c for c in by_step.values() if a.started_at <= c["verified_at"] and (end is None or c["verified_at"] <= end + 5)]
-        if i + 1 < len(attempts):  # the kept work is what the next attempt resumed from
-            used = by_step.get(attempts[i + 1].start_step)
-            mine = [used] if used in mine else []
-        out.append(goodput.AttemptTimes(a.started_at, end, a.first_step_at, a.last_step_at,
-                                        max((c["verified_at"] for c in mine), default=None), a.hang_detected_at,
-                                        completed and i == len(attempts) - 1))
-    return out
-
-
-def goodput_of(j: Journal, now: float | None = None) -> goodput.Goodput:
-    kv = j.get_all()
-    attempts = j.attempts()
-    done = kv.get("state") in ("completed",)
-    now = now or time.time()
-    end = kv.get("updated_at") if kv.get("state") in TERMINAL else now
-    spans = [goodput.Span(s, e, k) for s, e, k in j.spans()]
-    return goodput.account(attempt_times(attempts, j.checkpoints(), done), spans, now=end or now)
+LOST_SHOWN_S = 0.05       # smaller lost figures are rounding noise (a short demo loses tenths of a second)
 
 
 def goodput_dict(g: goodput.Goodput, digits: int = 1) -> dict:
@@ -66,6 +42,13 @@ class StepLog:
 
     def __init__(self, path: Path):
         self.path, self.offset, self.by_step = path, 0, {}
+        self.attempt: list[Progress] = []  # records since the step last went back: the latest attempt's
+
+    def _add(self, p: Progress) -> None:
+        if self.attempt and p.step <= self.attempt[-1].step:  # a resume (or fresh restart) rewinds the step
+            self.attempt = []
+        self.attempt.append(p)
+        self.by_step[p.step] = p
 
     def refresh(self) -> dict[int, Progress]:
         try:
@@ -73,7 +56,7 @@ class StepLog:
         except OSError:
             return self.by_step
         if size < self.offset:  # truncated or replaced: start over
-            self.offset, self.by_step = 0, {}
+            self.offset, self.by_step, self.attempt = 0, {}, []
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             data = f.read(size - self.offset)
@@ -82,11 +65,16 @@ class StepLog:
         for line in data[:cut].decode("utf-8", errors="replace").splitlines():
             p = progress.parse_jsonl_line(line)
             if p is not None:
-                self.by_step[p.step] = p
+                self._add(p)
         return self.by_step
 
     def records(self) -> list[Progress]:
         return [self.by_step[s] for s in sorted(self.refresh())]
+
+    def attempt_records(self) -> list[Progress]:
+        """The latest attempt's records, in the order it logged them."""
+        self.refresh()
+        return list(self.attempt)
 
 
 def attempt_row(a: Attempt) -> dict:
@@ -110,8 +98,8 @@ def history_table(data: dict) -> str:
         steps = f"{a['start_step'] or 0}->{a['end_step'] if a['end_step'] is not None else '?'}"
         rows.append(f"{a['n']:>3} {ex:>8} {a['class'] or '-':<20} {steps:<13} {a['resumed_from'] or '-'}")
     g = data["goodput"]
-    lost = ", ".join(f"{k} {v:.0f}s" for k, v in g["lost_s"].items() if v >= 0.5)
-    rows.append(f"goodput {g['ratio']:.1%} of {g['total_s']:.0f}s" + (f" (lost: {lost})" if lost else ""))
+    lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
+    rows.append(f"goodput {g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f" (lost: {lost})" if lost else ""))
     return "\n".join(rows)
 
 
@@ -134,15 +122,19 @@ def loss_summary(records: list[Progress], n: int = LOSS_WINDOW) -> dict | None:
             "min": min(v for _, v in finite), "trend": trend, "nan_step": last_bad}
 
 
-def step_seconds(records: list[Progress], attempts: list[Attempt]) -> float | None:
-    """Seconds per step: the trainer's own figure (averaged over its attempt), else from finished attempts."""
-    last = next((p.step_s for p in reversed(records[-5:]) if p.step_s), None)
-    if last:
-        return last
-    done = [((a.last_step_at - a.first_step_at), (a.end_step - (a.start_step or 0))) for a in attempts
-            if a.first_step_at and a.last_step_at and a.end_step and a.end_step > (a.start_step or 0)]
-    secs, steps = sum(d[0] for d in done), sum(d[1] for d in done)
-    return secs / steps if steps and secs > 0 else None
+def step_seconds(current: list[Progress], attempts: list[Attempt]) -> float | None:
+    """Seconds per step of the latest attempt (after a resume, its own rate, not the earlier attempts'):
+    the trainer's own figure (it times its own process), else the attempt's journal times; before the
+    attempt has a rate of its own, the earlier attempts' together."""
+    own = next((p.step_s for p in reversed(current[-5:]) if p.step_s), None)
+    if own:
+        return own
+    def rate(rows: list[Attempt]) -> float | None:
+        done = [((a.last_step_at - a.first_step_at), (a.end_step - (a.start_step or 0))) for a in rows
+                if a.first_step_at and a.last_step_at and a.end_step and a.end_step > (a.start_step or 0)]
+        secs, steps = sum(d[0] for d in done), sum(d[1] for d in done)
+        return secs / steps if steps and secs > 0 else None
+    return (rate(attempts[-1:]) or rate(attempts[:-1])) if attempts else None
 
 
 def published_steps(persistent_dir: str | None, recipe_hash: str | None) -> set[int]:
@@ -175,7 +167,8 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
     kv = j.get_all()
     out = output_dir_of(r, kv)
     attempts = j.attempts()
-    records = (steps or StepLog(out / "logging.jsonl")).records()
+    steps = steps or StepLog(out / "logging.jsonl")
+    records = steps.records()
     last_crash = next((a for a in reversed(attempts) if a.cls), None)
     ckpts = j.checkpoints()
     good = [c for c in ckpts if c["ok"]]
@@ -185,7 +178,7 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
     g = goodput_of(j, now)
     step = kv.get("step") if kv.get("step") is not None else (records[-1].step if records else None)
     max_steps = r.optim.iterations or next((p.max_steps for p in reversed(records) if p.max_steps), None)
-    step_s = step_seconds(records, attempts)
+    step_s = step_seconds(steps.attempt_records(), attempts)
     live = kv.get("state") not in TERMINAL
     eta = (max_steps - step) * step_s if live and step_s and step is not None and max_steps else None
     return {
@@ -281,7 +274,7 @@ def status_renderable(d: dict):
     else:
         t.add_row("sync", Text("off (no run.persistent_dir)", style="dim"))
     g = d["goodput_detail"]
-    lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= 0.5)
+    lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
     t.add_row("goodput", f"{g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f"  lost: {lost}" if lost else ""))
     events = Table.grid(padding=(0, 1))
     for e in d["events"][-5:]:

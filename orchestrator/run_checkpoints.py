@@ -36,9 +36,10 @@ class RunCheckpoints:
                 continue
             self.seen[info.path] = info.ok
             self._verdict(info.step, info.ok)
-            self.journal.record_checkpoint(info.step, info.path, info.ok, info.problems, info.loss, self.hash)
+            saved = _mtime(info.path, now)
+            self.journal.record_checkpoint(info.step, info.path, info.ok, info.problems, info.loss, self.hash, saved)
             if info.ok:
-                self.metrics.checkpoint_saved(info.step, _mtime(info.path, now))
+                self.metrics.checkpoint_saved(info.step, saved)
                 self.journal.event("checkpoint", f"verified {Path(info.path).name}")
                 if manifest.read_manifest(info.path) is None:
                     # Hashing a large checkpoint takes seconds to minutes: never in the loop.
@@ -117,8 +118,11 @@ class RunCheckpoints:
 
 
 def _mtime(path: str, default: float) -> float:
+    """When the trainer finished writing the checkpoint: its newest file (not the directory, whose
+    mtime moves when our manifest is written into it)."""
     try:
-        return Path(path).stat().st_mtime
+        return max((os.stat(os.path.join(path, f)).st_mtime for f in manifest.list_files(path)),
+                   default=Path(path).stat().st_mtime)
     except OSError:
         return default
 

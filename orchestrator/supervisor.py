@@ -37,7 +37,7 @@ from orchestrator.metrics import Metrics
 from orchestrator.notify import Heartbeat, Notifier
 from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
 from orchestrator.render.command import render_command
-from orchestrator.report import goodput_of
+from orchestrator.goodput import goodput_of
 from orchestrator.run_checkpoints import RunCheckpoints
 from orchestrator.rundir import RunLock, place, run_id, state_dir
 from orchestrator.sidecar import Sidecar

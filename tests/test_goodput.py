@@ -105,3 +105,112 @@ def test_running_attempt_loses_nothing_yet():
     # Work since the last checkpoint is at risk but not lost until the attempt ends.
     g = account([A(0, first_step_at=100, last_checkpoint_at=200)], now=1000)
     assert g.lost["lost_progress"] == 0 and g.productive_s == 900
+
+
+# ------------------------------------------------------------------------------------------ from the journal
+
+T = 1_800_000_000.0
+
+
+def crashed_and_resumed(tmp_path, *, saved_at: bool = True):
+    """The demo's crash in a journal: attempt 1 trains from T+10, saves checkpoint-10 at T+14 and
+    checkpoint-20 at T+19 and is SIGKILLed at T+20.5 (step 26); the scan verifies both only after the
+    exit. Attempt 2 resumes from checkpoint-20 and completes."""
+    from orchestrator.journal import Journal
+    from orchestrator.types import Attempt, CrashClass
+
+    j = Journal(tmp_path / "journal.sqlite")
+    j.record_attempt(Attempt(1, T, ended_at=T + 20.5, cls=CrashClass.HOST_OOM_KILLED, start_step=0, end_step=26,
+                             first_step_at=T + 10, last_step_at=T + 20.4))
+    j.record_attempt(Attempt(2, T + 21.5, ended_at=T + 40, start_step=20, end_step=40,
+                             first_step_at=T + 31.5, last_step_at=T + 40))
+    for step, saved, verified in ((10, T + 14, T + 20.52), (20, T + 19, T + 20.53), (30, T + 35, T + 35.1)):
+        j.record_checkpoint(step, f"/out/checkpoint-{step}", True, saved_at=saved if saved_at else None)
+        j.db.execute("UPDATE checkpoints SET verified_at = ? WHERE step = ?", (verified, step))
+    j.put(state="completed", updated_at=T + 41)
+    return j
+
+
+def test_work_after_the_kept_checkpoint_is_lost_from_its_save_time(tmp_path):
+    from orchestrator.goodput import goodput_of
+
+    j = crashed_and_resumed(tmp_path)
+    g = goodput_of(j, now=T + 100)
+    # steps 21-26 (T+19 -> T+20.5) are redone; not the 0.03 s between the late verification and the exit
+    assert g.lost["lost_progress"] == pytest.approx(1.5)
+    assert g.productive_s == pytest.approx((19 - 10) + (40 - 31.5))
+    assert g.total_s == pytest.approx(40), "a completed run's window ends when its work ended"
+    assert g.productive_s + g.badput_s == pytest.approx(g.total_s)
+
+
+def test_a_journal_without_saved_at_falls_back_to_the_verification_time(tmp_path):
+    from orchestrator.goodput import goodput_of
+
+    j = crashed_and_resumed(tmp_path, saved_at=False)
+    # all it can say: checkpoint-20 was verified after the exit, so nothing after it is known to be lost
+    assert goodput_of(j, now=T + 100).lost["lost_progress"] == 0.0
+
+
+def test_an_old_journal_gains_the_saved_at_column(tmp_path):
+    import sqlite3
+
+    from orchestrator.journal import SCHEMA, Journal
+
+    path = tmp_path / "journal.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(SCHEMA.replace(", saved_at REAL", ""))
+    db.execute("INSERT INTO checkpoints (step, path, ok, verified_at) VALUES (10, '/out/checkpoint-10', 1, 5.0)")
+    db.commit()
+    db.close()
+    j = Journal(path)
+    j.record_checkpoint(20, "/out/checkpoint-20", True, saved_at=7.0)
+    assert [(c["step"], c["saved_at"]) for c in j.checkpoints()] == [(10, None), (20, 7.0)]
+
+
+@pytest.mark.parametrize("state, updated_at, end", [
+    ("completed", T + 90_000, T + 40),   # `orchestrator run` again a day later: nothing launched, no idle
+    ("stopped", T + 45, T + 45),         # a stopped run: up to its last update
+    ("running", T + 41, T + 50),         # live: up to now
+])
+def test_window_end(state, updated_at, end):
+    from orchestrator.goodput import Span, window_end
+    from orchestrator.types import Attempt
+
+    attempts = [Attempt(1, T, ended_at=T + 20), Attempt(2, T + 21, ended_at=T + 38)]
+    assert window_end({"state": state, "updated_at": updated_at}, attempts, [Span(T + 38, T + 40, "cleanup")],
+                      T + 50) == end
+
+
+def test_running_a_completed_run_again_adds_no_idle_time(tmp_path):
+    """`orchestrator run` on a run that completed a day ago launches nothing; its goodput is unchanged."""
+    import time
+
+    from orchestrator.goodput import goodput_of
+    from orchestrator.recipe import load
+    from orchestrator.supervisor import Supervisor
+    from supervised import journal, supervise, write_recipe
+
+    recipe = write_recipe(tmp_path, iterations=20)
+    code, _ = supervise(recipe)
+    assert code == 0
+    j = journal(tmp_path / "out")
+    before = goodput_of(j)
+    j.close()
+    from orchestrator.gpu import NullReader
+    from orchestrator.host import LocalHost
+
+    class DayLater(LocalHost):
+        def now(self) -> float:
+            return time.time() + 86_400
+
+    day_later = Supervisor(load(recipe), host=DayLater(NullReader()), install_signals=False)
+    assert day_later.run() == 0
+    j = journal(tmp_path / "out")
+    try:
+        assert j.get_all()["updated_at"] > time.time() + 80_000, "the second session did record its time"
+        assert len(j.attempts()) == 1
+        after = goodput_of(j)
+    finally:
+        j.close()
+    assert after.total_s == pytest.approx(before.total_s)
+    assert after.lost == pytest.approx(before.lost)

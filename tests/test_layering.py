@@ -31,12 +31,24 @@ def module_of(path: Path) -> str:
     return rel.parts[0]  # a subpackage (render/) is one module here
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node except what sits under `if TYPE_CHECKING:` (annotations only, never imported at run time)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
 def imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in PKG.rglob("*.py"):
         mod = module_of(path)
         deps = graph.setdefault(mod, set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in runtime_nodes(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("orchestrator"):
                 parts = node.module.split(".")

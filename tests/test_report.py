@@ -333,3 +333,36 @@ def test_cli_without_a_journal_is_bad_input(tmp_path):
     for cmd in ("status", "history", "report"):
         p = cli(cmd, str(recipe))
         assert p.returncode == 2 and "no journal yet" in p.stderr
+
+
+# ------------------------------------------------------------------------------------------ ETA after a resume
+
+def _jsonl(step: int, speed: float | None) -> str:
+    rec = {"loss": 7.0, "global_step/max_steps": f"{step}/40"} | ({"train_speed(s/it)": speed} if speed else {})
+    return json.dumps(rec) + "\n"
+
+
+@pytest.mark.parametrize("trainer_times_itself", [True, False])
+def test_eta_after_a_resume_uses_the_resumed_attempts_own_rate(tmp_path, trainer_times_itself):
+    """Attempt 1 ran at 1 s/step to step 26; attempt 2 resumed from 20 at 3 s/step and is at step 23.
+    Its ETA is 17 steps x 3 s, not at the old attempt's rate (whose steps 24-26 are still the newest
+    records in logging.jsonl), nor at the average of both."""
+    recipe = write_recipe(tmp_path, iterations=40)
+    r = load(recipe)
+    out = tmp_path / "out"
+    out.mkdir()
+    t = 1_800_000_000.0
+    one, two = (1.0, 3.0) if trainer_times_itself else (None, None)
+    (out / "logging.jsonl").write_text("".join(_jsonl(s, one) for s in range(1, 27))
+                                       + "".join(_jsonl(s, two) for s in range(21, 24)))
+    j = Journal(journal_path(state_dir(out)))
+    j.record_attempt(Attempt(1, t, ended_at=t + 40, cls=CrashClass.HOST_OOM_KILLED, start_step=0, end_step=26,
+                             first_step_at=t + 10, last_step_at=t + 35))
+    j.record_attempt(Attempt(2, t + 50, start_step=20, end_step=23, first_step_at=t + 60, last_step_at=t + 69))
+    j.put(state="running", step=23, updated_at=t + 69)
+    try:
+        d = report.status_data(r, j, now=t + 70)
+    finally:
+        j.close()
+    assert d["step_s"] == pytest.approx(3.0)
+    assert d["eta_s"] == pytest.approx(17 * 3.0)

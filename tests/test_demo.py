@@ -1,0 +1,108 @@
+"""The demo as a guided first run: the recipe file it writes (taken by every other command), the
+injected crash told at the step it really happened, goodput charging the redone steps, and the
+next commands it prints, run as printed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from orchestrator import demo
+from orchestrator.goodput import goodput_of
+from orchestrator.recipe import load, recipe_hash
+from supervised import cli, free_port_range, journal
+
+PACKAGED = Path(demo.__file__).with_name("data") / "demo-cpu.toml"
+
+
+@pytest.mark.parametrize("value", ["plain", 'quote " and \\ back', "ünïcode\ttab", 1, -3, 0.0001, 2.5e20, True,
+                                   False, [1, 2], ["a", "b"], [], {"A_B": "x", "with space": [1.5]}])
+def test_toml_value_round_trips(value):
+    assert tomllib.loads(f"v = {demo.toml_value(value)}")["v"] == value
+
+
+def test_written_recipe_is_the_packaged_one_with_workdir_paths_and_overrides(tmp_path):
+    overrides = ("optim.lr=2e-4", 'env.vars.EXTRA="1"', "optim.iterations=12")
+    path = demo.write_recipe(PACKAGED, tmp_path, overrides)
+    assert path == tmp_path / "demo-cpu.toml"
+    r = load(path)
+    assert (r.optim.lr, r.optim.iterations, r.env.vars["EXTRA"]) == (2e-4, 12, "1")
+    assert r.env.vars["CUDA_VISIBLE_DEVICES"] == "", "the packaged recipe's own nested table survives"
+    assert Path(r.model.path) == tmp_path / "tiny-moe" and r.data.dataset == [str(tmp_path / "data.jsonl")]
+    assert Path(r.run.output_dir) == tmp_path / "run" / "out"
+    assert Path(r.run.persistent_dir) == tmp_path / "run" / "persistent"
+    # the same run as the packaged recipe given the same paths and overrides on the command line
+    same = load(PACKAGED, [f"model.path={json.dumps(str(tmp_path / 'tiny-moe'))}",
+                           f"data.dataset=[{json.dumps(str(tmp_path / 'data.jsonl'))}]", *overrides])
+    assert recipe_hash(r) == recipe_hash(same)
+    assert "--set optim.lr=2e-4" in path.read_text().splitlines()[0]
+
+
+def test_next_steps_name_the_recipe_as_typed_from_here(tmp_path):
+    text = demo.next_steps(tmp_path / "w x" / "demo-cpu.toml", tmp_path / "w x" / "report.html", tmp_path)
+    assert "orchestrator status 'w x/demo-cpu.toml'" in text
+    assert "orchestrator run 'w x/demo-cpu.toml'" in text and "'w x/report.html'" in text
+    elsewhere = demo.next_steps(Path("/srv/demo/demo-cpu.toml"), Path("/srv/demo/r.html"), tmp_path)
+    assert "orchestrator history /srv/demo/demo-cpu.toml" in elsewhere
+
+
+def test_a_bad_set_fails_before_anything_is_built(tmp_path):
+    p = cli("demo", "--workdir", str(tmp_path / "w"), "--set", "optim.lr=fast")
+    assert p.returncode == 2, p.stderr
+    assert "optim.lr" in p.stderr and not (tmp_path / "w").exists()
+
+
+@pytest.mark.swift
+@pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")
+def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_next_commands_work(tmp_path):
+    work, here = tmp_path / "elsewhere", tmp_path / "cwd"
+    here.mkdir()
+    lo, hi = free_port_range(20)
+    p = cli("demo", "--workdir", str(work), "--crash-at", "13", "--set", "optim.iterations=30",
+            "--set", 'metrics.listen="127.0.0.1:0"', "--set", "metrics.linger_s=0",
+            "--set", f"supervisor.port_range=[{lo}, {hi}]", cwd=here, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = work / "run" / "out"
+    j = journal(out)
+    try:
+        first, second = j.attempts()
+        kept = next(c for c in j.checkpoints() if c["step"] == second.start_step)
+        g = goodput_of(j)
+    finally:
+        j.close()
+
+    # the console names the step the SIGKILL really hit: the killed attempt's last step
+    told = re.search(r"demo: injected SIGKILL into the trainer .* at step (\d+)", p.stdout)
+    assert told and int(told.group(1)) == first.end_step >= 13, p.stdout
+    # the redone steps (after the kept checkpoint, up to the kill) are charged from the checkpoint's save time
+    assert first.end_step > second.start_step == 10
+    assert kept["saved_at"] < kept["verified_at"]
+    assert g.lost["lost_progress"] == pytest.approx(first.ended_at - kept["saved_at"], abs=0.01)
+    assert g.lost["lost_progress"] > 0.05
+
+    # the next commands, as printed, work from where the demo ran
+    commands = {line.split()[1]: shlex.split(line.split("  #")[0]) for line in p.stdout.splitlines()
+                if line.startswith("  orchestrator ")}
+    assert {"status", "history", "report", "run"} <= commands.keys()
+    assert commands["status"][2] == str(work / "demo-cpu.toml")
+    assert str(out / ".orchestrator" / "report.html") in p.stdout
+    h = cli(*commands["history"][1:], "--json", cwd=here)
+    assert h.returncode == 0, h.stderr
+    assert [a["end_step"] for a in json.loads(h.stdout)["attempts"]] == [first.end_step, 30]
+    s = cli(*commands["status"][1:], "--json", cwd=here)
+    assert s.returncode == 0 and json.loads(s.stdout)["state"] == "completed", s.stderr
+    rep = cli(*commands["report"][1:], cwd=here)
+    assert rep.returncode == 0 and (out / ".orchestrator" / "report.html").is_file(), rep.stderr
+    again = cli(*commands["run"][1:], cwd=here)
+    assert again.returncode == 0, again.stderr
+    j = journal(out)
+    try:
+        assert len(j.attempts()) == 2, "a completed run relaunches nothing"
+        assert goodput_of(j).total_s == pytest.approx(g.total_s), "and adds no idle time"
+    finally:
+        j.close()
