@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from orchestrator.recipe import Recipe, RecipeError, load
+from orchestrator.recipe import Problem, Recipe, RecipeError, load
+from orchestrator.rundir import DriftRefused
 from orchestrator.types import ExitCode
 
 RECIPE = click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
@@ -20,16 +21,27 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", hel
 JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
-def fail(message: str, code: ExitCode = ExitCode.BAD_INPUT) -> None:
-    click.echo(f"orchestrator: error: {message}", err=True)
+def _wants_json() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.params.get("as_json"))
+
+
+def fail(message: str, code: ExitCode = ExitCode.BAD_INPUT, problems: tuple[Problem, ...] = ()) -> None:
+    """One `orchestrator: error:` line per problem on stderr; with --json also the error as JSON on stdout."""
+    if _wants_json():
+        click.echo(json.dumps({"error": message, "problems": [p.as_dict() for p in problems]}, indent=2))
+    for line in message.splitlines() or [""]:
+        click.echo(f"orchestrator: error: {line}", err=True)
     sys.exit(int(code))
 
 
 def load_recipe(path: Path, overrides: tuple[str, ...]) -> Recipe:
+    from orchestrator.render.command import rendering_problems
+
     try:
-        return load(path, list(overrides))
+        return load(path, list(overrides), checks=[rendering_problems])
     except RecipeError as e:
-        fail(str(e))
+        fail(str(e), problems=e.problems)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -87,7 +99,7 @@ def supervise(r: Recipe, on_start=None) -> ExitCode:
     try:
         code = sup.run()
     except RecipeError as e:
-        fail(str(e), ExitCode.GAVE_UP if type(e).__name__ == "DriftRefused" else ExitCode.BAD_INPUT)
+        fail(str(e), ExitCode.GAVE_UP if isinstance(e, DriftRefused) else ExitCode.BAD_INPUT, e.problems)
     click.echo(summary(sup.recipe))
     return code
 

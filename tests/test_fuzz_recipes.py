@@ -9,7 +9,7 @@ derandomized search, so CI sees the same cases every run):
                    wrong nesting (key moved to another section, section nested in a section, key
                    hoisted to the top level, value wrapped in a table); random strings in enum fields;
                    extra_args flags (real ms-swift 4.x names, renamed/fictional ones from
-                   render/flags.py REPLACEMENTS, recipe-managed ones, dashed/no_/abbreviated spellings,
+                   flags.py REPLACEMENTS, recipe-managed ones, dashed/no_/abbreviated spellings,
                    random); unicode and NUL characters; empty strings/lists/tables; valid in-range
                    edits (so that a fair share of the cases load); `--set` overrides.
   text mutations   byte edits of the TOML text (delete/insert/duplicate/truncate, non-UTF-8 bytes).
@@ -50,7 +50,7 @@ from pydantic import BaseModel
 from conftest import MINIMAL, MODEL_CONFIG, RECIPES, ROOT, make_model
 from orchestrator.plan import plan as make_plan
 from orchestrator.recipe import Recipe, RecipeError, apply_overrides, load
-from orchestrator.render import flags as F
+from orchestrator import flags as F
 from orchestrator.types import GpuSnapshot
 
 N_LOAD = 1000
