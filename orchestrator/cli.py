@@ -59,9 +59,10 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     from orchestrator.plan import plan as make_plan
 
     p = make_plan(load_recipe(recipe, overrides))
+    code = 0 if p["would_run"] else int(ExitCode.BAD_INPUT)
     if as_json:
         click.echo(json.dumps(p, indent=2))
-        return
+        sys.exit(code)
     click.echo("# environment")
     for k, v in p["env"].items():
         click.echo(f"export {k}={shlex.quote(v)}")
@@ -78,6 +79,10 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     click.echo("# pre-flight checks")
     for c in p["checks"]:
         click.echo(f"  [{'ok' if c['ok'] else 'NOT OK'}] {c['name']}: {c['detail']}")
+    failed = [c["name"] for c in p["checks"] if not c["ok"] and c["fatal"]]
+    click.echo(f"run would stop at pre-flight: {', '.join(failed)} failed (fix, then plan again)" if failed
+               else f"run would start: `orchestrator run {shlex.quote(str(recipe))}`")
+    sys.exit(code)
 
 
 @main.command()

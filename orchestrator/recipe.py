@@ -36,7 +36,7 @@ class Problem:
     source: str = "<recipe>"
 
     def line(self) -> str:
-        return _printable(f"{self.source}: {self.key}: {self.message}" if self.key else f"{self.source}: {self.message}")
+        return _printable(f"{self.source}: {self.message}" if self.key is None else f"{self.source}: {self.key}: {self.message}")
 
     def as_dict(self) -> dict:
         return {"key": None if self.key is None else _printable(self.key), "message": _printable(self.message),
@@ -429,7 +429,7 @@ def _suggest(loc: tuple, model: type[BaseModel]) -> str:
 
 
 def _problems(found: list[tuple[tuple[str, ...], str]], overrides: Sequence[str], path: str) -> list[Problem]:
-    return [Problem(keys[0] or None, msg, _source([k for k in keys if k], overrides, path)) for keys, msg in found]
+    return [Problem(keys[0], msg, _source([k for k in keys if k], overrides, path)) for keys, msg in found]
 
 
 def validate(data: dict, source: str = "<recipe>", overrides: Sequence[str] = ()) -> Recipe:
@@ -438,12 +438,35 @@ def validate(data: dict, source: str = "<recipe>", overrides: Sequence[str] = ()
         return Recipe.model_validate(data)
     except ValidationError as e:
         problems = []
-        for err in e.errors():
+        for err in _one_per_union(e.errors()):
             for keys, msg in _describe(err, Recipe):
                 # a missing key is the file's: --set cannot remove one
                 where = source if err["type"] == "missing" else _source(keys, overrides, source)
-                problems.append(Problem(keys[0] or None, msg, where))
+                problems.append(Problem(keys[0], msg, where))
         raise RecipeError(problems=problems) from None
+
+
+_UNION_MEMBER = {str: "str", int: "int", float: "float", bool: "bool", list: "list[str]"}
+
+
+def _one_per_union(errors: list[dict]) -> list[dict]:
+    """An extra_args value fails every member of ExtraValue: keep the one error of the member its type
+    is meant for (a float's "finite number", a list's bad item), with the member's name out of the key."""
+    out, seen = [], {}
+    for err in errors:
+        loc = err["loc"]
+        if not (len(loc) >= 3 and loc[0] == "extra_args"):
+            out.append(err)
+            continue
+        value = err["input"] if len(loc) == 3 else None
+        best = seen.get(loc[:2])
+        if best is None:
+            seen[loc[:2]] = len(out)
+            out.append({**err, "loc": loc[:2] + loc[3:]} if len(loc) > 3 or type(value) in _UNION_MEMBER else
+                       {**err, "loc": loc[:2], "msg": "a flag value must be a string, number, boolean or list of strings"})
+        elif loc[2] == _UNION_MEMBER.get(type(value)) or (loc[2] == "list[str]" and len(loc) > 3):
+            out[best] = {**err, "loc": loc[:2] + loc[3:]}
+    return out
 
 
 Check = Callable[["Recipe"], list[tuple[tuple[str, ...], str]]]

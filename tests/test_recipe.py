@@ -583,3 +583,14 @@ def test_semantic_view_leaves_out_operational_extra_args(write_recipe):
     r = R.load(write_recipe(extra_args={"report_to": "wandb", "moe_aux_loss_coeff": 0.01}))
     assert semantic_view(r)["extra_args"] == {"moe_aux_loss_coeff": 0.01}
     assert set(semantic_view(r)) == set(R.HASHED_KEYS) | {"extra_args"}
+
+
+@pytest.mark.parametrize("value,line", [
+    (float("nan"), "extra_args.x: Input should be a finite number, got nan"),
+    (["a", 1], "extra_args.x.1: Input should be a valid string, got 1"),
+    ({"a": 1}, "extra_args.x: a flag value must be a string, number, boolean or list of strings"),
+])
+def test_extra_arg_value_one_problem_not_one_per_union_member(value, line):
+    with pytest.raises(RecipeError) as e:
+        R.validate(merge(MINIMAL, {"extra_args": {"x": value}}))
+    assert str(e.value) == f"<recipe>: {line}"
