@@ -220,7 +220,9 @@ def verify(path: Path, recipe: Path | None, checksum: bool, as_json: bool) -> No
     if as_json:
         click.echo(json.dumps(rep))
     else:
-        click.echo(f"{'ok' if rep['ok'] else 'NOT OK'}: {path} (step {rep['step']})")
+        what = ", ".join(x for x in (rep["kind"] and f"{rep['kind']} sft checkpoint",
+                                     rep["step"] is not None and f"step {rep['step']}") if x)
+        click.echo(f"{'ok' if rep['ok'] else 'NOT OK'}: {path}" + (f" ({what})" if what else ""))
         for p in rep["problems"]:
             click.echo(f"  {p}")
     sys.exit(0 if rep["ok"] else int(ExitCode.BAD_INPUT))
