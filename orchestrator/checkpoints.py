@@ -25,6 +25,7 @@ except ImportError:  # without them only our own header parse runs
 
 CKPT_RE = re.compile(r"checkpoint-(\d+)")
 MERGED_RE = re.compile(r"checkpoint-(\d+)-merged")
+ITER_DIR_RE = re.compile(r"iter_(\d{7,})")
 ITER_FILE = "latest_checkpointed_iteration.txt"
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
 REDO = "do not resume from it; use an earlier checkpoint"
@@ -53,6 +54,7 @@ class Verification:
     files: tuple[str, ...] = ()      # safetensors files whose headers were checked, relative to path
     tensors: int = 0
     path: str = ""
+    kind: str | None = None          # the backend that wrote it, read from its files ("swift", "megatron")
 
     def to_info(self, merged_path: str | None = None, loss: float | None = None) -> CheckpointInfo:
         return CheckpointInfo(path=self.path, step=self.step if self.step is not None else -1,
@@ -242,9 +244,38 @@ def _int_file(path: Path) -> int | None:
         return None
 
 
+def checkpoint_kind(names: Collection[str]) -> str | None:
+    """The backend that wrote a checkpoint directory holding `names`: `swift sft` writes trainer_state.json,
+    `megatron sft` the iteration file and iter_NNNNNNN/; None when neither is there (yet)."""
+    if "trainer_state.json" in names:
+        return "swift"
+    if ITER_FILE in names or any(ITER_DIR_RE.fullmatch(n) for n in names):
+        return "megatron"
+    return None
+
+
+def step_from_files(p: Path, kind: str | None) -> int | None:
+    """A checkpoint's step from its own files (whatever the directory is called): trainer_state.json's
+    global_step (swift), latest_checkpointed_iteration.txt or the iter_NNNNNNN/ name (megatron)."""
+    if kind == "swift":
+        try:
+            step = json.loads((p / "trainer_state.json").read_text()).get("global_step")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
+    if kind == "megatron":
+        step = _int_file(p / ITER_FILE)
+        if step is None:
+            iters = sorted(int(m.group(1)) for e in p.iterdir() if (m := ITER_DIR_RE.fullmatch(e.name)))
+            step = iters[-1] if iters else None
+        return step
+    return None
+
+
 def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,
            *, backend: str | None = None) -> Verification:
-    """Verify a checkpoint dir, a `-merged` dir, a .safetensors file, or an output_dir (its newest checkpoint)."""
+    """Verify a checkpoint dir (`checkpoint-N`, or one copied under another name), a `-merged` dir, a
+    .safetensors file, or an output_dir (its newest checkpoint)."""
     p = Path(path)
     if p.is_file():
         problems, names = read_safetensors(p, p.name)
@@ -252,20 +283,35 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
     m, mm = CKPT_RE.fullmatch(p.name), MERGED_RE.fullmatch(p.name)
     if not p.is_dir():
         return Verification(False, None, False, (f"{p}: no such checkpoint directory or file",), path=str(p))
-    if not (m or mm):
+    names = {e.name for e in p.iterdir()}
+    kind = checkpoint_kind(names)
+    if not (m or mm) and kind is None and not names & {"adapter_model.safetensors", "adapter_config.json"}:
         infos = [q for q in p.iterdir() if CKPT_RE.fullmatch(q.name) and q.is_dir()]
         if not infos:
             return Verification(False, None, False, (f"{p}: no checkpoint-N directories",), path=str(p))
         return verify(max(infos, key=lambda q: int(q.name.split("-")[1])), expect, full_checksum, backend=backend)
-    step, merged = int((m or mm).group(1)), mm is not None
-    names = {e.name for e in p.iterdir()}
-    newer = any((q := CKPT_RE.fullmatch(e.name)) and int(q.group(1)) > step for e in p.parent.iterdir())
-    why = completeness(backend, names, step, _link_step(p.parent), merged, newer)
-    if why is not None:
-        msg = (f"{p.name}: incomplete: {why} (still being written?); wait for the save to finish or resume "
-               f"from an earlier checkpoint")
-        return Verification(False, step, False, (msg,), path=str(p))
+    # the other backend's checkpoint is named as such first, then checked as what it is
     problems: list[str] = []
+    if backend is not None and kind is not None and kind != backend and not mm:  # -merged: full weights, any backend
+        problems.append(f"this is a {kind} sft checkpoint; the recipe's backend is {backend}: "
+                        f"use a recipe with run.backend = \"{kind}\" to verify or resume from it")
+        backend = kind
+    if m or mm:
+        step, merged = int((m or mm).group(1)), mm is not None
+        newer = any((q := CKPT_RE.fullmatch(e.name)) and int(q.group(1)) > step for e in p.parent.iterdir())
+        last_step = _link_step(p.parent)
+    else:  # copied under another name: its own files say the step; no siblings or link speak for it
+        merged = "config.json" in names and bool(names & {"model.safetensors", "model.safetensors.index.json"})
+        step, newer, last_step = step_from_files(p, kind), False, None
+        if step is None:
+            problems.append(f"{p.name}: not named checkpoint-N and its step is unreadable (no trainer_state.json "
+                            f"global_step, no {ITER_FILE}): an incomplete or damaged copy; {REDO}")
+            return Verification(False, None, False, tuple(problems), path=str(p), kind=kind)
+    why = completeness(backend, names, step, last_step, merged, newer)
+    if why is not None:
+        problems.append(f"{p.name}: incomplete: {why} (still being written?); wait for the save to finish or "
+                        f"resume from an earlier checkpoint")
+        return Verification(False, step, False, tuple(problems), path=str(p), kind=kind)
     it = _int_file(p / ITER_FILE) if ITER_FILE in names else None
     if ITER_FILE in names and it is None:
         problems.append(f"{p.name}/{ITER_FILE}: not an iteration number; resume would fail; {REDO}")
@@ -274,7 +320,8 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
     gstep = state.get("global_step") if isinstance(state, dict) else None
     for label, got in ((ITER_FILE, it), ("trainer_state.json global_step", gstep)):
         if got is not None and got != step:
-            problems.append(f"{p.name}/{label} says step {got}, the directory says {step}: mixed-up checkpoint; "
+            problems.append(f"{p.name}/{label} says step {got}, the "
+                            f"{'directory' if m or mm else 'checkpoint'} says {step}: mixed-up checkpoint; "
                             f"do not resume from it")
     files, all_names, per_file = [], [], {}
     for f in sorted(p.rglob("*.safetensors")):
@@ -290,7 +337,7 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
         _check_adapter(p, names, backend, step, expect, all_names, problems)
     if full_checksum and (manifest := read_manifest(p)) is not None:
         problems += manifest_matches(p, manifest)
-    return Verification(not problems, step, True, tuple(problems), tuple(files), len(all_names), str(p))
+    return Verification(not problems, step, True, tuple(problems), tuple(files), len(all_names), str(p), kind)
 
 
 def _check_adapter(p: Path, names: set[str], backend: str | None, step: int, expect: LoraExpect | None,
@@ -392,4 +439,5 @@ def verify_report(path: str | os.PathLike, expect: LoraExpect | None = None, ful
                   backend: str | None = None) -> dict:
     """The JSON of `orchestrator verify PATH --json`."""
     v = verify(path, expect, full_checksum, backend=backend)
-    return {"ok": v.ok, "step": v.step, "complete": v.complete, "problems": list(v.problems), "path": v.path}
+    return {"ok": v.ok, "step": v.step, "complete": v.complete, "problems": list(v.problems), "path": v.path,
+            "kind": v.kind}

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from orchestrator.recipe import Recipe, RecipeError, load
+from orchestrator.recipe import Problem, Recipe, RecipeError, load
+from orchestrator.rundir import DriftRefused
 from orchestrator.types import ExitCode
 
 RECIPE = click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
@@ -20,16 +21,27 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", hel
 JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
-def fail(message: str, code: ExitCode = ExitCode.BAD_INPUT) -> None:
-    click.echo(f"orchestrator: error: {message}", err=True)
+def _wants_json() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.params.get("as_json"))
+
+
+def fail(message: str, code: ExitCode = ExitCode.BAD_INPUT, problems: tuple[Problem, ...] = ()) -> None:
+    """One `orchestrator: error:` line per problem on stderr; with --json also the error as JSON on stdout."""
+    if _wants_json():
+        click.echo(json.dumps({"error": message, "problems": [p.as_dict() for p in problems]}, indent=2))
+    for line in message.splitlines() or [""]:
+        click.echo(f"orchestrator: error: {line}", err=True)
     sys.exit(int(code))
 
 
 def load_recipe(path: Path, overrides: tuple[str, ...]) -> Recipe:
+    from orchestrator.render.command import rendering_problems
+
     try:
-        return load(path, list(overrides))
+        return load(path, list(overrides), checks=[rendering_problems])
     except RecipeError as e:
-        fail(str(e))
+        fail(str(e), problems=e.problems)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,9 +59,10 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     from orchestrator.plan import plan as make_plan
 
     p = make_plan(load_recipe(recipe, overrides))
+    code = 0 if p["would_run"] else int(ExitCode.BAD_INPUT)
     if as_json:
         click.echo(json.dumps(p, indent=2))
-        return
+        sys.exit(code)
     click.echo("# environment")
     for k, v in p["env"].items():
         click.echo(f"export {k}={shlex.quote(v)}")
@@ -66,6 +79,10 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     click.echo("# pre-flight checks")
     for c in p["checks"]:
         click.echo(f"  [{'ok' if c['ok'] else 'NOT OK'}] {c['name']}: {c['detail']}")
+    failed = [c["name"] for c in p["checks"] if not c["ok"] and c["fatal"]]
+    click.echo(f"run would stop at pre-flight: {', '.join(failed)} failed (fix, then plan again)" if failed
+               else f"run would start: `orchestrator run {shlex.quote(str(recipe))}`")
+    sys.exit(code)
 
 
 @main.command()
@@ -87,7 +104,7 @@ def supervise(r: Recipe, on_start=None) -> ExitCode:
     try:
         code = sup.run()
     except RecipeError as e:
-        fail(str(e), ExitCode.GAVE_UP if type(e).__name__ == "DriftRefused" else ExitCode.BAD_INPUT)
+        fail(str(e), ExitCode.GAVE_UP if isinstance(e, DriftRefused) else ExitCode.BAD_INPUT, e.problems)
     click.echo(summary(sup.recipe))
     return code
 
@@ -218,7 +235,9 @@ def verify(path: Path, recipe: Path | None, checksum: bool, as_json: bool) -> No
     if as_json:
         click.echo(json.dumps(rep))
     else:
-        click.echo(f"{'ok' if rep['ok'] else 'NOT OK'}: {path} (step {rep['step']})")
+        what = ", ".join(x for x in (rep["kind"] and f"{rep['kind']} sft checkpoint",
+                                     rep["step"] is not None and f"step {rep['step']}") if x)
+        click.echo(f"{'ok' if rep['ok'] else 'NOT OK'}: {path}" + (f" ({what})" if what else ""))
         for p in rep["problems"]:
             click.echo(f"  {p}")
     sys.exit(0 if rep["ok"] else int(ExitCode.BAD_INPUT))

@@ -141,4 +141,10 @@ def plan(r: Recipe, reader: gpu.GpuReader | None = None) -> dict:
         "backend": r.run.backend,
         "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail, "fatal": c.fatal} for c in checks],
         "memory": memory(r, snap).as_dict(),
+        "would_run": not stoppers(checks),
     }
+
+
+def stoppers(checks: list[Check]) -> list[Check]:
+    """The failed checks that stop `run` before it launches anything (the supervisor's pre-flight uses this)."""
+    return [c for c in checks if not c.ok and c.fatal]

@@ -11,20 +11,52 @@ import hashlib
 import json
 import re
 import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.render import flags
+from orchestrator import flags
+
+
+def _printable(text: str) -> str:
+    # One line, always: a key or value holding a newline or other control character is shown escaped.
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a recipe: the dotted key (None: the file as a whole), what is wrong and what
+    to do, and where the bad value came from (the recipe file, or `--set 'key=value'`)."""
+
+    key: str | None
+    message: str
+    source: str = "<recipe>"
+
+    def line(self) -> str:
+        return _printable(f"{self.source}: {self.message}" if self.key is None else f"{self.source}: {self.key}: {self.message}")
+
+    def as_dict(self) -> dict:
+        return {"key": None if self.key is None else _printable(self.key), "message": _printable(self.message),
+                "source": _printable(self.source)}
 
 
 class RecipeError(Exception):
-    """Bad input: one clear message naming the file, the key and what to do. Exit code 2."""
+    """Bad input: every problem, one line each, naming the file (or `--set`), the key and what to do. Exit 2."""
 
-    def __init__(self, message: str = "") -> None:
-        # One line, always: a key or value holding a newline or other control character is shown escaped.
-        super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message)))
+    def __init__(self, message: str = "", problems: Sequence[Problem] = ()) -> None:
+        self.problems = tuple(problems)
+        super().__init__("\n".join(p.line() for p in self.problems) if self.problems else _printable(message))
+
+
+class _Combinations(ValueError):
+    """Every cross-key problem of a recipe at once: [(keys involved, the first one shown; message)]."""
+
+    def __init__(self, found: list[tuple[tuple[str, ...], str]]) -> None:
+        super().__init__("; ".join(f"{keys[0]}: {msg}" for keys, msg in found))
+        self.found = found
 
 
 class _Section(BaseModel):
@@ -224,44 +256,62 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
-        p, m, o = self.parallel, self.memory, self.optim
-        if (o.epochs is None) == (o.iterations is None):
-            raise ValueError("optim: give exactly one of optim.epochs or optim.iterations")
-        if p.nproc_per_node % (p.tensor * p.pipeline * p.context):
-            raise ValueError(f"parallel: nproc_per_node {p.nproc_per_node} is not divisible by "
-                             f"tensor x pipeline x context = {p.tensor * p.pipeline * p.context}")
-        if p.nproc_per_node % (p.expert * p.expert_tensor * p.pipeline):
-            raise ValueError(f"parallel: nproc_per_node {p.nproc_per_node} is not divisible by "
-                             f"expert x expert_tensor x pipeline = {p.expert * p.expert_tensor * p.pipeline}")
-        if p.sequence_parallel and p.tensor == 1:
-            raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1 (ms-swift silently turns it off)")
-        if o.global_batch_size % (o.micro_batch_size * p.data_parallel):
-            raise ValueError(f"optim.global_batch_size {o.global_batch_size} is not divisible by "
-                             f"micro_batch_size x data-parallel size = {o.micro_batch_size} x {p.data_parallel}")
-        if o.min_lr > o.lr:
-            raise ValueError(f"optim.min_lr {o.min_lr} is larger than optim.lr {o.lr}")
-        if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
-            raise ValueError("memory.recompute_method/recompute_num_layers need recompute_granularity = \"full\"")
-        if self.run.backend == "swift":
-            if p.tensor * p.pipeline * p.context * p.expert * p.expert_tensor != 1 or p.sequence_parallel:
-                raise ValueError("parallel: tensor/pipeline/context/expert parallelism needs run.backend = \"megatron\"")
-            if m.optimizer_cpu_offload or m.recompute_granularity == "full":
-                raise ValueError("memory: recompute/optimizer offload settings apply to run.backend = \"megatron\"")
-            if self.checkpoint.merge_lora:
-                raise ValueError("checkpoint.merge_lora: `swift sft` has no --merge_lora (merge afterwards with "
-                                 "`swift export --adapters <ckpt> --merge_lora true`)")
-        elif self.lora.target_parameters:
-            raise ValueError("lora.target_parameters is a `swift sft` option; use lora.target_modules with megatron")
-        elif o.epochs is not None and not float(o.epochs).is_integer():
-            raise ValueError(f"optim.epochs: megatron sft takes a whole number of epochs (--num_train_epochs is an "
-                             f"int), got {o.epochs}; use optim.iterations for a partial epoch")
-        for key, v in self.extra_args.items():
-            problem = flags.check_extra_arg(self.run.backend, key)
-            if problem:
-                raise ValueError(f"extra_args.{key}: {problem}")
-            if v == []:
-                raise ValueError(f"extra_args.{key}: an empty list renders a bare --{key}; remove the key instead")
+        found = combination_problems(self)
+        if found:
+            raise _Combinations(found)
         return self
+
+
+def combination_problems(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """Problems no single key shows: [(the keys involved, the first one shown; message)]. Pure."""
+    p, m, o = r.parallel, r.memory, r.optim
+    out: list[tuple[tuple[str, ...], str]] = []
+    if (o.epochs is None) == (o.iterations is None):
+        out.append((("optim.epochs", "optim.iterations"), "give exactly one of optim.epochs or optim.iterations"))
+    dense = p.tensor * p.pipeline * p.context
+    if p.nproc_per_node % dense:
+        out.append((("parallel.nproc_per_node", "parallel.tensor", "parallel.pipeline", "parallel.context"),
+                    f"{p.nproc_per_node} is not divisible by tensor x pipeline x context = {dense}"))
+    moe = p.expert * p.expert_tensor * p.pipeline
+    if p.nproc_per_node % moe:
+        out.append((("parallel.nproc_per_node", "parallel.expert", "parallel.expert_tensor", "parallel.pipeline"),
+                    f"{p.nproc_per_node} is not divisible by expert x expert_tensor x pipeline = {moe}"))
+    if p.sequence_parallel and p.tensor == 1:
+        out.append((("parallel.sequence_parallel", "parallel.tensor"),
+                    "needs parallel.tensor > 1 (ms-swift silently turns it off)"))
+    if not p.nproc_per_node % dense and o.global_batch_size % (o.micro_batch_size * p.data_parallel):
+        out.append((("optim.global_batch_size", "optim.micro_batch_size", "parallel"),
+                    f"{o.global_batch_size} is not divisible by micro_batch_size x data-parallel size = "
+                    f"{o.micro_batch_size} x {p.data_parallel}"))
+    if o.min_lr > o.lr:
+        out.append((("optim.min_lr", "optim.lr"), f"{o.min_lr} is larger than optim.lr {o.lr}"))
+    if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
+        key = "memory.recompute_method" if m.recompute_method else "memory.recompute_num_layers"
+        out.append(((key, "memory.recompute_granularity"),
+                    "memory.recompute_method/recompute_num_layers need recompute_granularity = \"full\""))
+    if r.run.backend == "swift":
+        if p.tensor * p.pipeline * p.context * p.expert * p.expert_tensor != 1 or p.sequence_parallel:
+            out.append((("parallel", "run.backend"),
+                        "tensor/pipeline/context/expert parallelism needs run.backend = \"megatron\""))
+        if m.optimizer_cpu_offload or m.recompute_granularity == "full":
+            out.append((("memory", "run.backend"),
+                        "recompute/optimizer offload settings apply to run.backend = \"megatron\""))
+        if r.checkpoint.merge_lora:
+            out.append((("checkpoint.merge_lora", "run.backend"), "`swift sft` has no --merge_lora (merge afterwards "
+                        "with `swift export --adapters <ckpt> --merge_lora true`)"))
+    elif r.lora.target_parameters:
+        out.append((("lora.target_parameters", "run.backend"),
+                    "a `swift sft` option; use lora.target_modules with megatron"))
+    elif o.epochs is not None and not float(o.epochs).is_integer():
+        out.append((("optim.epochs",), f"megatron sft takes a whole number of epochs (--num_train_epochs is an "
+                                       f"int), got {o.epochs}; use optim.iterations for a partial epoch"))
+    for key, v in r.extra_args.items():
+        problem = flags.check_extra_arg(r.run.backend, key)
+        if problem:
+            out.append(((f"extra_args.{key}", "run.backend"), problem))
+        elif v == []:
+            out.append(((f"extra_args.{key}",), f"an empty list renders a bare --{key}; remove the key instead"))
+    return out
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -273,7 +323,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     """`dotted.key=value`; the value is read as a TOML value, else taken as a plain string."""
     key, sep, raw = item.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+", key.strip()):
-        raise RecipeError(f"--set {item!r}: expected dotted.key=value, for example --set optim.lr=1e-4")
+        raise RecipeError(problems=[Problem(None, "expected dotted.key=value, for example --set optim.lr=1e-4",
+                                            f"--set {item!r}")])
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except (tomllib.TOMLDecodeError, RecursionError):
@@ -289,36 +340,46 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise RecipeError(f"--set {item!r}: {k!r} is not a table")
+                raise RecipeError(problems=[Problem(None, f"{k!r} is not a table", f"--set {item!r}")])
         node[keys[-1]] = value
     return data
 
 
-def _check_values(node: Any, where: str = "", depth: int = 0) -> str | None:
+def _check_values(node: Any, where: str = "", depth: int = 0) -> list[tuple[str, str]]:
     """Values no recipe key can take, whatever its type: a NUL character (no path, argument or environment
     variable can hold one), integers beyond 64 bits (TOML's limit) and nesting deeper than 8 levels (no
     recipe key is deeper than 4; deeper data would only exhaust the recursion limit later).
-    -> the first problem, or None."""
+    -> [(dotted key, problem)]."""
     if depth > 8:
-        return f"{where}: nested too deeply"
+        return [(where, "nested too deeply")]
     if isinstance(node, dict):
         items = list(node.items())
     elif isinstance(node, list):
         items = list(enumerate(node))
     elif isinstance(node, str) and "\0" in node:
-        return f"{where}: contains a NUL character (\\x00), which no path, argument or environment variable can hold"
+        return [(where, "contains a NUL character (\\x00), which no path, argument or environment variable can hold")]
     elif isinstance(node, int) and not isinstance(node, bool) and not -2**63 <= node < 2**63:
-        return f"{where}: integer out of the 64-bit range (TOML integers are -2**63 .. 2**63 - 1)"
+        return [(where, "integer out of the 64-bit range (TOML integers are -2**63 .. 2**63 - 1)")]
     else:
-        return None
+        return []
+    found = []
     for k, v in items:
         key = f"{where}.{k}" if where else str(k)
         if isinstance(k, str) and "\0" in k:
-            return f"{key}: a key with a NUL character (\\x00)"
-        problem = _check_values(v, key, depth + 1)
-        if problem:
-            return problem
-    return None
+            found.append((key, "a key with a NUL character (\\x00)"))
+        else:
+            found += _check_values(v, key, depth + 1)
+    return found
+
+
+def _source(keys: Sequence[str], overrides: Sequence[str], path: str) -> str:
+    """Where the value behind these dotted keys came from: the last `--set` that wrote one of them (or
+    a table above or below one), else the recipe file."""
+    for item in reversed(overrides):
+        k = item.partition("=")[0].strip()
+        if any(k == key or k.startswith(f"{key}.") or key.startswith(f"{k}.") for key in keys if key):
+            return f"--set {item!r}"
+    return path
 
 
 def _resolve_paths(data: dict, base: Path) -> None:
@@ -339,16 +400,19 @@ def _looks_local(d: str) -> bool:
     return d.startswith(".") or d.split("#")[0].endswith((".json", ".jsonl", ".csv"))
 
 
-def _describe(err: dict, model: type[BaseModel]) -> str:
+def _describe(err: dict, model: type[BaseModel]) -> list[tuple[tuple[str, ...], str]]:
+    """One pydantic error -> [(the dotted keys involved, the first one shown; message)]."""
+    error = (err.get("ctx") or {}).get("error")
+    if isinstance(error, _Combinations):
+        return error.found
     loc = ".".join(str(x) for x in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"{loc}: unknown key{_suggest(err['loc'], model)}"
+        return [((loc,), f"unknown key{_suggest(err['loc'], model)}")]
     if err["type"] == "missing":
-        return f"{loc}: required key is missing"
+        return [((loc,), "required key is missing")]
     got = err.get("input")
     got_s = "" if isinstance(got, dict) else f", got {got!r}"
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{loc}: {msg}{got_s}" if loc else msg
+    return [((loc,), err["msg"].removeprefix("Value error, ") + got_s)]
 
 
 def _suggest(loc: tuple, model: type[BaseModel]) -> str:
@@ -364,50 +428,95 @@ def _suggest(loc: tuple, model: type[BaseModel]) -> str:
     return f" (did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))!r}?)" if close else ""
 
 
-def validate(data: dict, source: str = "<recipe>") -> Recipe:
+def _problems(found: list[tuple[tuple[str, ...], str]], overrides: Sequence[str], path: str) -> list[Problem]:
+    return [Problem(keys[0], msg, _source([k for k in keys if k], overrides, path)) for keys, msg in found]
+
+
+def validate(data: dict, source: str = "<recipe>", overrides: Sequence[str] = ()) -> Recipe:
+    """`data` (the file with `overrides` applied) -> Recipe, or one RecipeError listing every problem."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        more = f" (and {e.error_count() - 1} more problem(s))" if e.error_count() > 1 else ""
-        raise RecipeError(f"{source}: {_describe(first, Recipe)}{more}") from None
+        problems = []
+        for err in _one_per_union(e.errors()):
+            for keys, msg in _describe(err, Recipe):
+                # a missing key is the file's: --set cannot remove one
+                where = source if err["type"] == "missing" else _source(keys, overrides, source)
+                problems.append(Problem(keys[0], msg, where))
+        raise RecipeError(problems=problems) from None
 
 
-def load(path: str | Path, overrides: list[str] = ()) -> Recipe:
+_UNION_MEMBER = {str: "str", int: "int", float: "float", bool: "bool", list: "list[str]"}
+
+
+def _one_per_union(errors: list[dict]) -> list[dict]:
+    """An extra_args value fails every member of ExtraValue: keep the one error of the member its type
+    is meant for (a float's "finite number", a list's bad item), with the member's name out of the key."""
+    out, seen = [], {}
+    for err in errors:
+        loc = err["loc"]
+        if not (len(loc) >= 3 and loc[0] == "extra_args"):
+            out.append(err)
+            continue
+        value = err["input"] if len(loc) == 3 else None
+        best = seen.get(loc[:2])
+        if best is None:
+            seen[loc[:2]] = len(out)
+            out.append({**err, "loc": loc[:2] + loc[3:]} if len(loc) > 3 or type(value) in _UNION_MEMBER else
+                       {**err, "loc": loc[:2], "msg": "a flag value must be a string, number, boolean or list of strings"})
+        elif loc[2] == _UNION_MEMBER.get(type(value)) or (loc[2] == "list[str]" and len(loc) > 3):
+            out[best] = {**err, "loc": loc[:2] + loc[3:]}
+    return out
+
+
+Check = Callable[["Recipe"], list[tuple[tuple[str, ...], str]]]
+
+
+def load(path: str | Path, overrides: Sequence[str] = (), checks: Sequence[Check] = ()) -> Recipe:
+    """Read, override, validate. `checks` are further whole-recipe checks (e.g. rendering's) whose problems
+    are reported like the recipe's own: [(the dotted keys involved, message)]."""
     path = Path(path)
+    overrides = list(overrides)
+
+    def fail(message: str) -> RecipeError:
+        return RecipeError(problems=[Problem(None, message, str(path))])
+
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise RecipeError(f"{path}: recipe file not found (see recipes/ for examples)") from None
+        raise fail("recipe file not found (see recipes/ for examples)") from None
     except OSError as e:
-        raise RecipeError(f"{path}: cannot read the recipe ({e.strerror})") from None
+        raise fail(f"cannot read the recipe ({e.strerror})") from None
     except UnicodeDecodeError as e:
-        raise RecipeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise fail(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise RecipeError(f"{path}: TOML syntax error: {e}") from None
+        raise fail(f"TOML syntax error: {e}") from None
     except RecursionError:
-        raise RecipeError(f"{path}: TOML syntax error: arrays or inline tables nested too deeply") from None
-    for stage in ("file", "overrides"):  # checked before apply_overrides copies (recursively) the data
-        problem = _check_values(data)
-        if problem:
-            raise RecipeError(f"{path}: {problem}")
-        if stage == "file":
-            data = apply_overrides(data, list(overrides))
+        raise fail("TOML syntax error: arrays or inline tables nested too deeply") from None
+    found = _check_values(data)  # checked before apply_overrides copies (recursively) the data
+    if found:
+        raise RecipeError(problems=[Problem(k, m, str(path)) for k, m in found])
+    data = apply_overrides(data, overrides)
+    found = _check_values(data)
+    if found:
+        raise RecipeError(problems=_problems([((k,), m) for k, m in found], overrides, str(path)))
     _resolve_paths(data, path.absolute().parent)  # not resolve(): recipes/demo-cpu.toml is a symlink
-    recipe = validate(data, str(path))
-    from orchestrator.render.command import duplicated_extra_args  # here: render imports this module
+    recipe = validate(data, str(path), overrides)
+    found = [f for check in (expert_problems, *checks) for f in check(recipe)]
+    if found:
+        raise RecipeError(problems=_problems(found, overrides, str(path)))
+    return recipe
 
-    dup = duplicated_extra_args(recipe)
-    if dup:
-        raise RecipeError(f"{path}: extra_args.{dup[0]}: --{dup[0]} is already rendered from the recipe; "
-                          f"set the recipe key instead (see `orchestrator plan`)")
+
+def expert_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
     experts = expert_count(recipe)
     if experts is not None and experts % recipe.parallel.expert:
-        raise RecipeError(f"{path}: parallel.expert: {recipe.parallel.expert} does not divide the model's "
-                          f"{experts} experts; choose a divisor of {experts}")
-    return recipe
+        return [(("parallel.expert", "model.path", "model.num_experts"),
+                 f"{recipe.parallel.expert} does not divide the model's {experts} experts; "
+                 f"choose a divisor of {experts}")]
+    return []
 
 
 def read_model_config(recipe: Recipe) -> dict | None:

@@ -12,7 +12,7 @@ Entry classes: ``megatron sft`` -> ``swift.megatron.arguments.sft_args.MegatronS
 
 Usage: python scripts/extract_swift_flags.py [--python PY] [--output PATH] [--check]
   --python  interpreter whose site-packages hold ms-swift (default: this one)
-  --output  where to write the JSON (default: orchestrator/render/swift_flags.json; '-' = stdout)
+  --output  where to write the JSON (default: orchestrator/data/swift_flags.json; '-' = stdout)
   --check   compare with the existing file instead of writing it (exit 1 on a difference)
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ ENTRY = {
     "swift": ("swift.arguments.sft_args", "SftArguments"),
 }
 ROOTS = ("swift", "transformers")
-DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "orchestrator" / "render" / "swift_flags.json"
+DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "orchestrator" / "data" / "swift_flags.json"
 
 
 @dataclass

@@ -429,3 +429,52 @@ def test_header_check_reads_no_tensor_data(tmp_path):
         fh.truncate(8 + len(h) + 4 * n)
     v = ck.verify(f)
     assert v.ok and v.tensors == 4
+
+
+# ---------------------------------------------------------------- copied under another name, other backend
+
+@pytest.mark.parametrize("make,kind", [(make_swift, "swift"), (make_megatron, "megatron")])
+def test_copy_under_another_name_reads_its_step_from_its_files(tmp_path, make, kind):
+    d = make(tmp_path / "out", 30)
+    copy = tmp_path / "keep" / "best-adapter"
+    copy.parent.mkdir()
+    d.rename(copy)
+    v = ck.verify(copy, LoraExpect(8, 32, tuple(TARGETS)), backend=kind)
+    assert (v.ok, v.step, v.kind, v.problems) == (True, 30, kind, ())
+    rep = ck.verify_report(copy)
+    assert rep["step"] == 30 and rep["kind"] == kind and rep["ok"]
+
+
+def test_copy_with_an_unreadable_step_says_so(tmp_path):
+    copy = make_swift(tmp_path, 30).rename(tmp_path / "renamed")
+    (copy / "trainer_state.json").write_text('{"global_step": "x"}')
+    v = ck.verify(copy)
+    assert not v.ok and v.step is None and "its step is unreadable" in v.problems[0]
+
+
+@pytest.mark.parametrize("make,kind,other", [(make_swift, "swift", "megatron"), (make_megatron, "megatron", "swift")])
+def test_the_other_backends_checkpoint_is_named_first(tmp_path, make, kind, other):
+    d = make(tmp_path, 30)
+    for path in (d, tmp_path / "renamed"):
+        if not path.exists():
+            d.rename(path)
+        v = ck.verify(path, backend=other)
+        assert not v.ok and v.step == 30
+        assert v.problems == (f"this is a {kind} sft checkpoint; the recipe's backend is {other}: use a recipe "
+                              f"with run.backend = \"{kind}\" to verify or resume from it",)
+
+
+def test_verify_command_prints_the_step_of_a_renamed_copy(tmp_path, write_recipe):
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+
+    copy = make_swift(tmp_path / "out", 30).rename(tmp_path / "adapter-copy")
+    res = CliRunner().invoke(main, ["verify", str(copy)])
+    assert res.exit_code == 0 and res.stdout == f"ok: {copy} (swift sft checkpoint, step 30)\n"
+    res = CliRunner().invoke(main, ["verify", str(copy), "--recipe", str(write_recipe())])  # a megatron recipe
+    assert res.exit_code == 2 and "step None" not in res.stdout
+    assert res.stdout.splitlines()[1] == ("  this is a swift sft checkpoint; the recipe's backend is megatron: use a "
+                                          "recipe with run.backend = \"swift\" to verify or resume from it")
+    res = CliRunner().invoke(main, ["verify", str(copy / "adapter_model.safetensors")])
+    assert res.exit_code == 0 and res.stdout == f"ok: {copy / 'adapter_model.safetensors'}\n"

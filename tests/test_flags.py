@@ -1,4 +1,4 @@
-"""The ms-swift 4.x flag table (orchestrator/render/swift_flags.json) and its checker."""
+"""The ms-swift 4.x flag table (orchestrator/data/swift_flags.json) and its checker."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.render import flags
-from orchestrator.render.flags import KNOWN, MANAGED, REPLACEMENTS, check_extra_arg, check_flag
+from orchestrator import flags
+from orchestrator.flags import KNOWN, MANAGED, REPLACEMENTS, check_extra_arg, check_flag
 
 ROOT = Path(__file__).resolve().parent.parent
 SWIFT_INSTALLED = importlib.util.find_spec("swift") is not None and importlib.util.find_spec("transformers") is not None
@@ -51,7 +51,7 @@ def test_table_lacks(backend, name):
 
 
 def test_table_shape():
-    data = json.loads(files("orchestrator.render").joinpath("swift_flags.json").read_text(encoding="utf-8"))
+    data = json.loads(files("orchestrator").joinpath("data", "swift_flags.json").read_text(encoding="utf-8"))
     assert data["ms_swift_version"] == flags.MS_SWIFT_VERSION == "4.6.0"
     assert data["transformers_version"]
     for backend in flags.BACKENDS:
@@ -256,7 +256,7 @@ def _extractor():
 
 @pytest.mark.skipif(not SWIFT_INSTALLED, reason="ms-swift is not installed for this interpreter")
 def test_table_matches_installed_ms_swift():
-    committed = json.loads((ROOT / "orchestrator" / "render" / "swift_flags.json").read_text(encoding="utf-8"))
+    committed = json.loads((ROOT / "orchestrator" / "data" / "swift_flags.json").read_text(encoding="utf-8"))
     assert _extractor().extract() == committed
 
 

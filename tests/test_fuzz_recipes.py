@@ -9,7 +9,7 @@ derandomized search, so CI sees the same cases every run):
                    wrong nesting (key moved to another section, section nested in a section, key
                    hoisted to the top level, value wrapped in a table); random strings in enum fields;
                    extra_args flags (real ms-swift 4.x names, renamed/fictional ones from
-                   render/flags.py REPLACEMENTS, recipe-managed ones, dashed/no_/abbreviated spellings,
+                   flags.py REPLACEMENTS, recipe-managed ones, dashed/no_/abbreviated spellings,
                    random); unicode and NUL characters; empty strings/lists/tables; valid in-range
                    edits (so that a fair share of the cases load); `--set` overrides.
   text mutations   byte edits of the TOML text (delete/insert/duplicate/truncate, non-UTF-8 bytes).
@@ -49,8 +49,10 @@ from pydantic import BaseModel
 
 from conftest import MINIMAL, MODEL_CONFIG, RECIPES, ROOT, make_model
 from orchestrator.plan import plan as make_plan
+from orchestrator import flags as F
 from orchestrator.recipe import Recipe, RecipeError, apply_overrides, load
-from orchestrator.render import flags as F
+from orchestrator.render.command import rendering_problems
+from orchestrator import flags as F
 from orchestrator.types import GpuSnapshot
 
 N_LOAD = 1000
@@ -503,22 +505,23 @@ def check_load(path: Path, raw: bytes, overrides: list[str], data: dict | None, 
     """Load in-process; on success also plan it. -> True if the recipe is valid."""
     path.write_bytes(raw)
     try:
-        r = load(path, overrides)
+        r = load(path, overrides, checks=[rendering_problems])
     except RecipeError as e:
         msg = str(e)
-        assert "\n" not in msg and "Traceback" not in msg, msg
+        assert "Traceback" not in msg, msg
         stats[f"invalid: {category(msg)}"] += 1
-        if msg.startswith("--set "):
-            assert overrides and any(msg.startswith(f"--set {o!r}") for o in overrides), msg
-            return False
-        assert msg.startswith(f"{path}: "), msg
-        if _parses(raw):
-            plain = tomllib.loads(raw.decode()) if data is None else data
-            try:  # the first problem may be in the file, before the overrides are applied
-                plain = apply_overrides(plain, overrides)
-            except RecipeError:
-                pass
-            assert names_the_key(msg[len(f"{path}: "):], plain), f"message does not name the key: {msg}"
+        for line in msg.splitlines():  # one line per problem, each naming where its value came from
+            if line.startswith("--set "):
+                assert overrides and any(line.startswith(f"--set {o!r}") for o in overrides), line
+                continue
+            assert line.startswith(f"{path}: "), line
+            if _parses(raw):
+                plain = tomllib.loads(raw.decode()) if data is None else data
+                try:  # the first problem may be in the file, before the overrides are applied
+                    plain = apply_overrides(plain, overrides)
+                except RecipeError:
+                    pass
+                assert names_the_key(line[len(f"{path}: "):], plain), f"message does not name the key: {line}"
         return False
     # everything that loads must also plan (the memory estimate, render, checks) without a traceback
     p = make_plan(r, reader=_NoGpu())
@@ -578,20 +581,21 @@ def _cli_case(case_dir: Path, raw: bytes, valid: bool) -> tuple[str, str | None]
     before = sorted(p.name for p in case_dir.iterdir())
     if valid:
         res = _cli(["plan", str(path), "--json"], case_dir)
-        problem = None if res.returncode == 0 else f"plan exit {res.returncode}: {res.stderr[-2000:]}"
+        problem = None if res.returncode in (0, 2) else f"plan exit {res.returncode}: {res.stderr[-2000:]}"
         if problem is None:
-            try:
-                json.loads(res.stdout)
-            except ValueError:
-                problem = f"plan --json printed no JSON: {res.stdout[:500]!r}"
+            try:  # exit 2: a pre-flight check that would stop `run` failed, and the plan says so
+                if json.loads(res.stdout)["would_run"] != (res.returncode == 0):
+                    problem = f"plan exit {res.returncode} but would_run is {not res.returncode}"
+            except (ValueError, KeyError):
+                problem = f"plan --json printed no plan: {res.stdout[:500]!r}"
     else:
         res = _cli(["run", str(path)], case_dir)
         lines = res.stderr.splitlines()
         problem = None
         if res.returncode != 2:
             problem = f"run on an invalid recipe: exit {res.returncode}: {res.stderr[-2000:]}"
-        elif len(lines) != 1 or not lines[0].startswith("orchestrator: error: "):
-            problem = f"run: stderr is not one `orchestrator: error:` line: {res.stderr[-2000:]!r}"
+        elif not lines or not all(ln.startswith("orchestrator: error: ") for ln in lines):
+            problem = f"run: stderr is not `orchestrator: error:` lines: {res.stderr[-2000:]!r}"
         elif res.stdout:
             problem = f"run printed to stdout: {res.stdout[:500]!r}"
     if "Traceback" in res.stderr:
@@ -648,9 +652,10 @@ FOUND = [
     ("nul-in-env-value", {"env": {"vars": {"X": "\x00"}}}, [], ["env.vars.X", "NUL"]),
     ("nul-in-extra-arg", {"extra_args": {"moe_aux_loss_coeff": "1\x00"}}, [], ["extra_args.moe_aux_loss_coeff", "NUL"]),
     ("nul-in-key", {"extra_args": {"a\x00b": 1}}, [], ["extra_args.a\\x00b", "NUL"]),
-    ("nul-via-set", {}, ['run.output_dir="o\\u0000"'], ["run.output_dir", "NUL"]),
+    ("nul-via-set", {}, ['run.output_dir="o\\u0000"'], ["--set 'run.output_dir=", "run.output_dir", "NUL"]),
     ("int-beyond-64-bit", {"data": {"max_length": 10**400}}, [], ["data.max_length", "64-bit"]),
-    ("int-beyond-64-bit-via-set", {}, ["lora.rank=99999999999999999999999"], ["lora.rank", "64-bit"]),
+    ("int-beyond-64-bit-via-set", {}, ["lora.rank=99999999999999999999999"],
+     ["--set 'lora.rank=", "lora.rank", "64-bit"]),
     ("inf-lr", {"optim": {"lr": math.inf}}, [], ["optim.lr", "finite"]),
     ("inf-wait", {"supervisor": {"wait_s": math.inf}}, [], ["supervisor.wait_s", "finite"]),
     ("nan-extra-arg", {"extra_args": {"moe_aux_loss_coeff": math.nan}}, [], ["extra_args.moe_aux_loss_coeff"]),
@@ -671,7 +676,8 @@ def test_found_by_the_fuzzer(tmp_path, sections, overrides, fragments):
     with pytest.raises(RecipeError) as e:
         load(path, overrides)
     msg = str(e.value)
-    assert msg.startswith(f"{path}: ") and "\n" not in msg, msg
+    assert msg.startswith(f"--set {overrides[0]!r}: " if "--set " in fragments[0] else f"{path}: "), msg
+    assert "\n" not in msg, msg
     for f in fragments:
         assert f in msg, (f, msg)
 
@@ -700,5 +706,5 @@ def test_plan_survives_a_too_long_path(tmp_path, key):
     path.write_text(to_toml(d))
     json.dumps(make_plan(load(path), reader=_NoGpu()))
     res = _cli(["plan", str(path), "--json"], tmp_path)
-    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-1500:]
-    json.loads(res.stdout)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-1500:]  # the check fails, no crash
+    assert json.loads(res.stdout)["would_run"] is False

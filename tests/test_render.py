@@ -5,7 +5,9 @@ import pytest
 
 from conftest import DROP, RECIPES
 from orchestrator import recipe as R
-from orchestrator.render import command, flags
+from orchestrator import flags
+from orchestrator.render import command
+from orchestrator.render.argv import flags as argv_flags, value as argv_value
 from orchestrator.render.command import render_command
 from orchestrator.types import Resume
 
@@ -333,7 +335,7 @@ def test_argv_is_tuple_of_strings(shipped):
     ([], []),
 ])
 def test_value(v, words):
-    assert command.value(v) == words
+    assert argv_value(v) == words
 
 
 @pytest.mark.parametrize("pairs,argv", [
@@ -346,7 +348,7 @@ def test_value(v, words):
     ([("b", 1), ("a", 2)], ["--b", "1", "--a", "2"]),
 ])
 def test_flags(pairs, argv):
-    assert command.flags(pairs) == argv
+    assert argv_flags(pairs) == argv
 
 
 def test_core_rendered_flags_are_managed(megatron):
@@ -358,3 +360,19 @@ def test_core_rendered_flags_are_managed(megatron):
             "check_model", "output_dir", "model", "dataset", "train_iters"}
     assert core <= rendered & managed
     assert all(flags.check_extra_arg("megatron", f) for f in core)
+
+
+@pytest.mark.parametrize("key", ["seed", "val_dataset", "save_total_limit"])
+def test_extra_arg_the_recipe_already_renders_is_refused(write_recipe, key):
+    """A flag rendered from a recipe key but not in flags.MANAGED (the recipe cannot see the renderer)."""
+    path = write_recipe(data={"val_dataset": ["v.jsonl"]}, checkpoint={"save_total_limit": 3},
+                        extra_args={key: "1"})
+    assert R.load(path).extra_args == {key: "1"}  # the recipe alone cannot tell
+    with pytest.raises(R.RecipeError) as e:
+        R.load(path, checks=[command.rendering_problems])
+    assert str(e.value) == f"{path}: extra_args.{key}: --{key} is already rendered from the recipe; set the " \
+                           f"recipe key instead (see `orchestrator plan`)"
+    with pytest.raises(R.RecipeError) as e:
+        R.load(write_recipe(), [f"extra_args.{key}=2", "data.val_dataset=['v.jsonl']", "checkpoint.save_total_limit=3"],
+               checks=[command.rendering_problems])
+    assert str(e.value).startswith(f"--set 'extra_args.{key}=2': extra_args.{key}: ")

@@ -1,4 +1,5 @@
-"""Rendering: (recipe, resume point, port) -> Command. Pure; the ms-swift 4.x flag tables live here.
+"""Rendering: (recipe, resume point, port) -> Command. Pure.
 
-Kept import-free so that `orchestrator.recipe` can import `render.flags` without a cycle.
+Imports `orchestrator.recipe`, never the other way round: the flag tables the recipe checks against
+live in `orchestrator.flags`.
 """

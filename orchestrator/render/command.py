@@ -1,9 +1,8 @@
 """(recipe, resume point, port) -> Command for either backend. Pure."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from orchestrator.recipe import Recipe
+from orchestrator.render.argv import flags
 from orchestrator.types import Command, Resume
 
 # Env every launch gets. Offline: no hub calls at run time. Unbuffered: progress lines reach the
@@ -19,24 +18,6 @@ NCCL_PRESETS = {
     "none": {},
     "pcie": {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0"},
 }
-
-
-def value(v: object) -> list[str]:
-    """One recipe value as argv words: booleans as ms-swift's true/false, lists space-separated."""
-    if isinstance(v, bool):
-        return ["true" if v else "false"]
-    if isinstance(v, (list, tuple)):
-        return [w for x in v for w in value(x)]
-    return [str(v)]
-
-
-def flags(pairs: Iterable[tuple[str, object]]) -> list[str]:
-    out: list[str] = []
-    for name, v in pairs:
-        if v is None:
-            continue
-        out += [f"--{name}", *value(v)]
-    return out
 
 
 def environment(recipe: Recipe, port: int, extra: dict[str, str]) -> dict[str, str]:
@@ -62,6 +43,12 @@ def duplicated_extra_args(recipe: Recipe) -> list[str]:
     rendered = {w[2:] for resume in (None, Resume("ckpt", 1)) for w in backend.arguments(recipe, resume)
                 if w.startswith("--")}
     return sorted(k for k in recipe.extra_args if k in rendered)
+
+
+def rendering_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """A `recipe.load` check: [(keys, message)] for extra_args the recipe already renders."""
+    return [((f"extra_args.{k}",), f"--{k} is already rendered from the recipe; set the recipe key instead "
+                                   f"(see `orchestrator plan`)") for k in duplicated_extra_args(recipe)]
 
 
 def render_command(recipe: Recipe, resume: Resume | None, port: int) -> Command:

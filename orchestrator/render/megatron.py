@@ -3,7 +3,7 @@ ms-swift defaults that changed between versions (finetune, merge_lora, tuner_typ
 from __future__ import annotations
 
 from orchestrator.recipe import Recipe
-from orchestrator.render.command import flags
+from orchestrator.render.argv import flags
 from orchestrator.types import Resume
 
 EXECUTABLE = "megatron"

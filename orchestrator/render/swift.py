@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from orchestrator.recipe import Recipe
-from orchestrator.render.command import flags
+from orchestrator.render.argv import flags
 from orchestrator.types import Resume
 
 EXECUTABLE = "swift"

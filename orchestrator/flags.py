@@ -5,7 +5,7 @@ does not know is fatal (`ValueError: remaining_argv`), a bare 3.x `--save` is an
 prefix (exit 2), and an unambiguous prefix is silently taken as the full flag. The orchestrator is
 stricter: a flag must be spelled exactly as a field of the 4.x dataclass.
 
-`swift_flags.json` is generated from the installed ms-swift by `scripts/extract_swift_flags.py`.
+`data/swift_flags.json` is generated from the installed ms-swift by `scripts/extract_swift_flags.py`.
 Pure and stdlib-only.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from importlib.resources import files
 BACKENDS = ("megatron", "swift")
 COMMAND = {"megatron": "megatron sft", "swift": "swift sft"}
 
-_DATA = json.loads(files(__package__).joinpath("swift_flags.json").read_text(encoding="utf-8"))
+_DATA = json.loads(files("orchestrator").joinpath("data", "swift_flags.json").read_text(encoding="utf-8"))
 MS_SWIFT_VERSION: str = _DATA["ms_swift_version"]
 KNOWN: dict[str, frozenset[str]] = {b: frozenset(_DATA[b]) for b in BACKENDS}
 
