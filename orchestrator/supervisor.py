@@ -149,7 +149,7 @@ class Supervisor:
         self.journal = Journal(journal_path(self.state_dir), echo=self.echo, clock=self.host.now)
         if placement.note:
             self.journal.event("drift", placement.note, keys=list(placement.drifted_keys))
-        failed = [c for c in plan.preflight(r, self.host.gpu_snapshot()) if not c.ok and c.fatal]
+        failed = plan.stoppers(plan.preflight(r, self.host.gpu_snapshot()))
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()

@@ -14,25 +14,27 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "orchestrator"
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "orchestrator"
 LAYERS = {
-    "domain": {"types"},
-    "decisions": {"recipe", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate"},
+    "domain": {"types", "orchestrator"},   # the package itself: imports nothing
+    "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate"},
     "world": {"host", "launcher", "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
-              "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe"},
+              "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan"},
     "loop": {"supervisor"},
-    "operations": {"cli", "report", "html_report", "demo", "service", "tiny", "__main__", "__init__"},
+    "operations": {"cli", "report", "html_report", "demo", "service", "tiny", "__main__"},
 }
 ORDER = list(LAYERS)
 
 
-def module_of(path: Path) -> str:
-    rel = path.relative_to(PKG).with_suffix("")
-    return rel.parts[0]  # a subpackage (render/) is one module here
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def runtime_nodes(tree: ast.AST):
-    """Every node except what sits under `if TYPE_CHECKING:` (annotations only, never imported at run time)."""
+    """Every node except what sits under `if TYPE_CHECKING:` (annotations only, never imported at run time).
+    Function-level imports count: a lazy import is still a dependency."""
     todo = [tree]
     while todo:
         node = todo.pop()
@@ -43,53 +45,63 @@ def runtime_nodes(tree: ast.AST):
         todo.extend(ast.iter_child_nodes(node))
 
 
-def imports() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    for path in PKG.rglob("*.py"):
-        mod = module_of(path)
-        deps = graph.setdefault(mod, set())
-        for node in runtime_nodes(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("orchestrator"):
-                parts = node.module.split(".")
-                names = [parts[1]] if len(parts) > 1 else [a.name for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name.split(".")[1] for a in node.names if a.name.startswith("orchestrator.")]
-            deps.update(n for n in names if n != mod)
-    return graph
+def graph() -> dict[str, set[str]]:
+    """orchestrator module -> the orchestrator modules it imports (a package import counts as its __init__)."""
+    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    out = {}
+    for mod, path in files.items():
+        deps = set()
+        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            deps |= {n for n in names if n in files}
+        out[mod] = deps - {mod}
+    return out
 
 
 def layer(mod: str) -> int:
+    top = mod.split(".")[1] if "." in mod else mod
     for i, name in enumerate(ORDER):
-        if mod in LAYERS[name]:
+        if top in LAYERS[name]:
             return i
-    raise AssertionError(f"orchestrator/{mod}: not in any layer of tests/test_layering.py; add it where it belongs")
+    raise AssertionError(f"{mod}: not in any layer of tests/test_layering.py; add it where it belongs")
 
 
 def test_every_module_has_a_layer():
-    for mod in imports():
+    for mod in graph():
         layer(mod)
 
 
 def test_imports_go_downwards_only():
     bad = [f"{m} ({ORDER[layer(m)]}) imports {d} ({ORDER[layer(d)]})"
-           for m, deps in imports().items() for d in deps if layer(d) > layer(m)]
+           for m, deps in graph().items() for d in deps if layer(d) > layer(m)]
     assert not bad, "\n".join(bad)
 
 
 def test_no_import_cycles():
-    graph = imports()
-    state: dict[str, int] = {}
+    g, state, found = graph(), {}, []
 
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for d in sorted(graph.get(m, ())):
-            if state.get(d) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
-            if d not in state:
-                visit(d, path + [d])
-        state[m] = 2
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for n in sorted(g.get(m, ())):
+            if state.get(n) == "open":
+                found.append(" -> ".join(stack[stack.index(n):] + [n]))
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
 
-    for m in sorted(graph):
+    for m in sorted(g):
         if m not in state:
             visit(m, [m])
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_recipe_imports_nothing_from_render():
+    g = graph()
+    assert "orchestrator.recipe" in g["orchestrator.render.command"], "the test reads the imports it claims to"
+    for m in ("orchestrator.recipe", "orchestrator.flags"):
+        assert not {n for n in g[m] if n.startswith("orchestrator.render")}, f"{m} imports {g[m]}"
