@@ -433,7 +433,8 @@ def _run(raw: list[str], phase: Phase, exit: ExitStatus | None, step_line: str |
     lines = [_strip_bar(s) if "%|" in s else s for s in raw]
     nan_rx = _COMPILED["nan_progress"][0]
     last_finite = next((i for i in range(len(lines) - 1, -1, -1)
-                        if ("loss" in lines[i] or "Loss" in lines[i]) and _FINITE.search(lines[i]) and not nan_rx.search(lines[i])), -1)
+                        if ("loss" in lines[i] or "Loss" in lines[i]) and _FINITE.search(lines[i])
+                        and not nan_rx.search(lines[i])), -1)
     zero_bar = phase is Phase.UNKNOWN and any("%|" in s and _zero_bar(s) for s in raw)
     ctx = _Ctx(lines, phase, last_finite, killed=exit is not None and exit.killed_by == 9, zero_bar=zero_bar)
     # Source lines quoted under a traceback frame are code, not messages ("raise ValueError(...)").
