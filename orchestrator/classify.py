@@ -50,8 +50,9 @@ _SIGKILL = (
     r"exitcode\s*:\s*-9\b", r"Signal 9 \(SIGKILL\)", r"<Signals\.SIGKILL: 9>", r"return code = -9\b",
     r"terminated with signal SIGKILL", r"^Killed$", r"line \d+:\s+\d+ Killed\b", r"\bkilled by signal:? (?:9|SIGKILL)\b",
     r"\b(?:exit|return)\w*(?: with)?(?: exit)? (?:code|status)[ :=]*137\b", r"\bsignal: killed\b", r"\bsignal 9\b",
-    r"^(?:zsh|bash|sh): killed\b", r"\btask \d+: Killed\b", r"^\[\d+\][+-]?\s+Killed\b", r"\bexit status -9\b")
-_SIGKILL_KW = ("-9", "sigkill", "killed", "137", "signal 9")
+    r"^(?:zsh|bash|sh): killed\b", r"\btask \d+: Killed\b", r"^\[\d+\][+-]?\s+(?:\d+\s+)?Killed\b", r"\bexit status -9\b",
+    r"^(?:已杀死|已殺死|強制終了|Getötet|Processus arrêté)$")
+_SIGKILL_KW = ("-9", "sigkill", "killed", "137", "signal 9", "已杀死", "已殺死", "強制終了", "getötet", "processus arrêté")
 _SIGKILL_EXCLUDE = (r"forcefully exiting via",)
 _CLI_ERROR = (r": error: (?:unrecognized arguments|ambiguous option|argument|the following arguments)", r"remaining_argv")
 _CRASH_SIGNAL = r"(?:exitcode\s*:|return code =|exit status)\s*-(?:11|7|4|8)\b"   # SIGSEGV/SIGBUS/SIGILL/SIGFPE
@@ -88,17 +89,22 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"unspecified launch failure", r"cudaErrorLaunchFailure", r"device-side assert triggered",
         r"\.cu:\d+: .*Assertion .* failed", r"CUDA error: an illegal instruction", r"misaligned address",
         r"fallen off the bus", r"GPU is lost", r"cudaErrorIllegalAddress", r"CUDA_ERROR_ILLEGAL_ADDRESS",
-        r"CUDA driver error", r"CUDA error: unknown error", r"launch timed out and was terminated",
+        r"CUDA driver error", r"\bCUDA (?:error|failure)\W+(?:\d+\W+)?unknown error", r"launch timed out and was terminated",
+        r"\bCUDA_ERROR_(?:LAUNCH_FAILED|ECC_UNCORRECTABLE|ILLEGAL_ADDRESS|ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS"
+        r"|HARDWARE_STACK_ERROR|UNKNOWN)\b",
+        r"\bcudaError(?:LaunchFailure|IllegalInstruction|MisalignedAddress|HardwareStackError|Unknown)\b",
         r"CU(?:BLAS|DNN)_STATUS_EXECUTION_FAILED"),
         keywords=("illegal", "uncorrectable", "xid", "launch failure", "device-side assert", "assertion", "misaligned",
                   "fallen off the bus", "gpu is lost", "cuda driver error", "unknown error", "launch timed out",
-                  "execution_failed"), priority=40),
+                  "execution_failed", "cuda_error_", "cudaerror"), priority=40),
     # The kernel, cgroup or Ray naming a host-OOM kill is a root cause (its NCCL fallout is not).
     Rule("host_oom_kernel", CrashClass.HOST_OOM_KILLED, (
         r"Out of memory: Kill(?:ed)? process", r"\bOOM[-_ ]?kill(?:ed|er)?\b", r"task \d+: Out Of Memory",
         r"killed by the cgroup out-of-memory handler", r"Memory cgroup out of memory",
-        r"DataLoader worker \(pid \d+\) is killed by signal: Killed", r"ray\.exceptions\.OutOfMemoryError"),
-        keywords=("out of memory", "oom", "out-of-memory", "killed by signal", "outofmemoryerror"), priority=45),
+        r"DataLoader worker \(pid \d+\) is killed by signal: Killed", r"ray\.exceptions\.OutOfMemoryError",
+        r"killed due to (?:memory pressure|the node running low on memory)", r"\bray-oom-prevention\b"),
+        keywords=("out of memory", "oom", "out-of-memory", "killed by signal", "outofmemoryerror", "memory pressure",
+                  "low on memory"), priority=45),
     # Explicit NaN raises (Megatron/NeMo rerun state machine, anomaly mode, clip_grad_norm_) always count.
     Rule("nan_raised", CrashClass.NAN_LOSS, (
         r"Unexpected result (?:nan|inf)\b", r"\bfound (?:a )?(?:nan|inf)\b", r"Rerun state machine.*\bnan\b",
@@ -112,6 +118,7 @@ RULES: tuple[Rule, ...] = tuple(sorted((
     Rule("nan_progress", CrashClass.NAN_LOSS, (
         r"""['"]?\b\w*(?:loss|grad_norm)['"]?\s*[:=]\s*['"]?[-+]?(?:nan|inf(?:inity)?)\b""",
         r"\b(?:lm loss|grad norm)\s*:\s*[-+]?(?:nan|inf)\b", r"\bstep \d+: loss [-+]?(?:nan|inf)\b",
+        r"\[\s*\w*(?:loss|grad[_ ]norm)\s*\]\s*[:=]?\s*[-+]?(?:nan|inf)\b",
         r"number of nan iterations:\s*[1-9]"),
         keywords=("nan", "inf"), requires=("no_recovery",), exclude=_HYPOTHETICAL, priority=51),
     # Megatron-LM omits 'lm loss' when its average is NaN: after lines that had a loss, an iteration
@@ -185,15 +192,17 @@ _LEADING = re.compile(r"""^\s*(?:
   | [\w.-]+:\s(?=\[(?:default|rank)\d+\]:)                               # pdsh 'node-1: [rank8]:'
   | (?:(?!(?:step|iter\w*|epoch|rank|batch)-)[a-z][\w.]*-\d+|(?:\d{1,3}\.){3}\d{1,3}):\s(?=\S)   # pdsh 'worker-1: '
   | \((?:[\w()\-.]+\s)?pid=\d+(?:,\s*ip=[\d.]+)?\)\s                       # ray '(TaskRunner pid=12) '
-  | \[\d{1,7}\]\s+(?!Killed|Done|Exit|Stopped|Terminated|Running)(?=\S)     # pasted line numbers '[1745] '
+  | \[\d{1,7}\]\s+(?!(?:\d+\s+)?(?i:killed|done|exit|stopped|terminated|running|suspended)\b)(?=\S)  # line numbers '[1745] '
+                                                                         # (not bash/zsh job lines '[1]  26478 killed')
   | \[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?(?:\s+|$)   # timestamps
   | \[[IWEF]\d{3,4}\s\d\d:\d\d:\d\d(?:\.\d+)?(?:\s+\d+)?\s+[\w./-]+:\d+\]\s*             # glog [E1206 ..]
   | [IWEF]\d{3,4}\s\d\d:\d\d:\d\d\.\d+\s+\d+\s+[\w./-]+:\d+\]\s*                      # torch elastic log
   | \[[IWEF]\s[\w./-]+:\d+\]\s*                                          # [E socket.cpp:462]
   | \d{1,4}:\s(?=\S)                                                     # srun --label '3: '
   | \*\*(?=\S)                                                           # markdown bold
+  | `{1,3}(?=\S) | >\s(?=\S) | \[\d{1,3}(?:;\d{1,3})*m(?=\S)                 # markdown code/quote, bare ANSI
 )""", re.VERBOSE)
-_BOLD_END = re.compile(r"\*\*(?=\s|$)")
+_BOLD_END = re.compile(r"\*\*(?=\s|$)|`+$")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")                                        # colour codes
 _TQDM_HEAD = re.compile(r"^(?:[^|\n]{0,80}?\d{1,3}%\|[^|\n]*\|[^\[\n]*\[[^\]\n]*\])+")
 _TQDM_POSTFIX = re.compile(r",\s*([^\[\]\n]*\bloss[^\[\]\n]*)\]$", re.IGNORECASE)   # '[00:10<00:00, 9.5it/s, loss=2.3]'
@@ -217,7 +226,7 @@ def _unprefix(line: str) -> str:      # strip_prefixes minus the tqdm part (phas
             line = _GLUED.sub("", line)
         else:
             break
-    return _BOLD_END.sub("", line).strip() if "**" in line else line.strip()
+    return _BOLD_END.sub("", line).strip() if "**" in line or "`" in line else line.strip()
 
 
 # ---- phase inference --------------------------------------------------------------------------
@@ -233,12 +242,13 @@ _STEP_RES = (   # group 1 = the step number (absent: any match is a step)
     re.compile(r"^Epoch:?\s*\[\d+\]\s*\[\s*(\d+)/\d+\]"),                                          # timm/mmcv
     re.compile(r"\b(?:step|iter(?:ation)?|epoch)\b\W{0,3}\d+.*\bloss\b\W{0,3}[-+]?\d", re.IGNORECASE),  # generic
 )
-_TQDM = re.compile(r"(?:^|\])([^|\]]{0,60}?)\s*\d{1,3}%\|[^|]*\|\s*(\d+)/\d+\s*\[[^\]]*\]")
+_TQDM = re.compile(r"(?:^|\])([^|]{0,60}?)\s*\d{1,3}%\|[^|]*\|\s*(\d+)/\d+\s*\[[^\]]*\]")
 _TQDM_TRAIN = re.compile(r"train|epoch|iter|step", re.IGNORECASE)
 _TQDM_NOT = re.compile(r"eval|valid|test|load|map|token|download|generat|process|convert|sav|export|infer|"
                        r"predict|sampl|filter|shard|fetch|pack|shuffl|build|compil", re.IGNORECASE)
 _DEEP_STEP_MARKS = ("global_step/max_steps", "'iteration': '", '"iteration": "', "consumed samples:", "{'loss': ", '{"loss": ')
-_FINITE = re.compile(r"""['"]loss['"]\s*:\s*['"]?[-+]?\d|\blm loss:\s*[-+]?\d|\bstep \d+: loss [-+]?\d|\bloss\s*[=:]\s*[-+]?\d""",
+_FINITE = re.compile(r"""['"]loss['"]\s*:\s*['"]?[-+]?\d|\blm loss:\s*[-+]?\d|\bstep \d+: loss [-+]?\d|\bloss\s*[=:]\s*[-+]?\d"""
+                     r"|\[\s*loss\s*\]\s*[-+]?\d",
                      re.IGNORECASE)
 
 
@@ -374,6 +384,8 @@ def classify(text: str, exit: ExitStatus | None = None, phase: Phase | None = No
     crash = _run(lines, phase, exit, step_line)
     if start and crash.cls in _CASCADE and (deep := _deep_lines(text, start)):
         crash = _run(deep + lines, phase, exit, step_line)
+    if crash.cls is CrashClass.OTHER and len(crash.evidence) < MAX_EVIDENCE and (rank := _failing_rank(text, lines, crash)):
+        crash = Crash(crash.cls, (*crash.evidence, f"failing rank: {rank}"), crash.phase)
     return crash
 
 
@@ -421,7 +433,8 @@ def _run(raw: list[str], phase: Phase, exit: ExitStatus | None, step_line: str |
     lines = [_strip_bar(s) if "%|" in s else s for s in raw]
     nan_rx = _COMPILED["nan_progress"][0]
     last_finite = next((i for i in range(len(lines) - 1, -1, -1)
-                        if "loss" in lines[i] and _FINITE.search(lines[i]) and not nan_rx.search(lines[i])), -1)
+                        if ("loss" in lines[i] or "Loss" in lines[i]) and _FINITE.search(lines[i])
+                        and not nan_rx.search(lines[i])), -1)
     zero_bar = phase is Phase.UNKNOWN and any("%|" in s and _zero_bar(s) for s in raw)
     ctx = _Ctx(lines, phase, last_finite, killed=exit is not None and exit.killed_by == 9, zero_bar=zero_bar)
     # Source lines quoted under a traceback frame are code, not messages ("raise ValueError(...)").
@@ -458,5 +471,49 @@ def _run(raw: list[str], phase: Phase, exit: ExitStatus | None, step_line: str |
             return Crash(rule.cls, tuple(s[:500] for s in evidence), phase)
         if rule.exit_signal is not None and exit is not None and exit.killed_by == rule.exit_signal:
             return Crash(rule.cls, (f"trainer process ended with {exit}",), phase)
-    last = next((s for s in reversed(lines) if s), "")
-    return Crash(CrashClass.OTHER, (last[:500],) if last else (), phase)
+    # Nothing matched: the last error-looking lines still say more than the last line does.
+    evidence = _error_lines(lines, code) or [s for s in lines[-1:] if s] or [next((s for s in reversed(lines) if s), "")]
+    evidence = [s for s in evidence if s] + ([f"trainer process ended with {exit}"] if exit is not None else [])
+    return Crash(CrashClass.OTHER, tuple(s[:500] for s in evidence), phase)
+
+
+# ---- evidence when no rule decided: the last error-looking lines and the failing rank ------------
+_EXC_TYPE = re.compile(r"^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Failure)\b(?::|$)")
+_ERRORISH = re.compile(r"\b(?:errors?|failed|failure|fatal|abort(?:ed|ing)?|terminate called|segmentation fault|core dumped"
+                       r"|killed|timed out|exitcode|exit code|exit status|return code)\b", re.IGNORECASE)
+_NOT_ERRORISH = re.compile(r"Warning\b|^Traceback|^File \"|^frame #|^During handling|^The above exception|^\W*$"
+                           r"|To enable traceback|error_file\s*:|^Root Cause\b|^Failures:", re.IGNORECASE)
+_RANK_PREFIX = re.compile(r"\[rank(\d+)\]|\[default(\d+)\]|\[\d+,(\d+)\]<std|\bRank (\d+)\b")
+_SUMMARY_RANK = re.compile(r"^rank\s*:\s*(\d+)")
+
+
+def _error_lines(lines: list[str], code: set[int]) -> list[str]:
+    """The last exception (type and message) and the two last other error-looking lines, in log order."""
+    exc = next((i for i in range(len(lines) - 1, -1, -1) if i not in code and _EXC_TYPE.match(lines[i])), None)
+    picked = {exc} if exc is not None else set()
+    keys = {_DIGITS.sub("#", lines[exc])} if exc is not None else set()
+    for i in range(len(lines) - 1, -1, -1):
+        if len(picked) >= 3:
+            break
+        s = lines[i]
+        if (i not in code and _ERRORISH.search(s) and not _NOT_ERRORISH.search(s)
+                and (key := _DIGITS.sub("#", s)) not in keys):
+            keys.add(key)
+            picked.add(i)
+    return [lines[i] for i in sorted(picked)]
+
+
+def _failing_rank(text: str, lines: list[str], crash: Crash) -> str | None:
+    """torchrun's 'Root Cause' rank, else the rank prefix the evidence lines had before cleaning."""
+    if any(s.startswith("failing rank") for s in crash.evidence):
+        return None
+    for head in ("Root Cause", "Failures:"):     # the summary's first failure, else any failure it lists
+        for i in (i for i, s in enumerate(lines) if s.startswith(head)):
+            if m := next((m for t in lines[i + 1:i + 10] if (m := _SUMMARY_RANK.match(t))), None):
+                return m.group(1)
+    for line in crash.evidence:
+        if (p := text.rfind(line[:80])) > 0:
+            prefix = text[text.rfind("\n", 0, p) + 1:p]
+            if m := _RANK_PREFIX.search(prefix):
+                return next(g for g in m.groups() if g is not None)
+    return None
