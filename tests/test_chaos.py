@@ -17,7 +17,7 @@ import pytest
 import chaos
 from chaos import C, SAVE, Config, plan_soak, soak
 from orchestrator.types import CrashClass, ExitCode
-from supervised import attempts, supervise, write_recipe
+from supervised import attempts, fake_recipe, supervise
 
 FULL = os.environ.get("ORCH_CHAOS_FULL") == "1"
 
@@ -86,8 +86,8 @@ def test_plans_keep_every_relaunch_making_progress(seed, make):
 
 def test_nan_then_crash_resumes_from_the_newest_checkpoint(tmp_path):
     """Found by the soak: a NaN used to exclude every later checkpoint for the rest of the run."""
-    recipe = write_recipe(tmp_path, iterations=60, faults="nan_loss@15,fla_backward_oom@45",
-                          supervisor={"max_crashes_per_hour": 100})
+    recipe = fake_recipe(tmp_path, iterations=60, faults="nan_loss@15,fla_backward_oom@45",
+                         supervisor={"max_crashes_per_hour": 100})
     code, _ = supervise(recipe)
     assert code == ExitCode.OK
     runs = attempts(tmp_path / "out")
@@ -97,8 +97,8 @@ def test_nan_then_crash_resumes_from_the_newest_checkpoint(tmp_path):
 
 
 def test_nan_logged_just_before_a_crash_is_not_resumed_past(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=40, faults="nan_loss@15,fla_backward_oom@25",
-                          supervisor={"poll_s": 5.0, "max_crashes_per_hour": 100})  # the exit wakes it
+    recipe = fake_recipe(tmp_path, iterations=40, faults="nan_loss@15,fla_backward_oom@25",
+                         supervisor={"poll_s": 5.0, "max_crashes_per_hour": 100})  # the exit wakes it
     code, _ = supervise(recipe)
     assert code == ExitCode.OK
     runs = attempts(tmp_path / "out")
@@ -111,7 +111,7 @@ def test_nan_quarantine_survives_a_supervisor_killed_before_it(tmp_path, monkeyp
     from orchestrator.run_checkpoints import RunCheckpoints
     from orchestrator.supervisor import Supervisor
 
-    recipe = write_recipe(tmp_path, iterations=200, faults="nan_loss@19", supervisor={"poll_s": 0.5})
+    recipe = fake_recipe(tmp_path, iterations=200, faults="nan_loss@19", supervisor={"poll_s": 0.5})
 
     def killed(self, *args):
         raise _Killed()
@@ -136,8 +136,8 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
     from orchestrator.recipe import load
     from orchestrator.supervisor import Supervisor
 
-    recipe = write_recipe(tmp_path, iterations=40, faults="fla_backward_oom@15,cold_start_oom@21",
-                          extra_env={"FAKE_STEP_S": "0.02"})
+    recipe = fake_recipe(tmp_path, iterations=40, faults="fla_backward_oom@15,cold_start_oom@21",
+                         extra_env={"FAKE_STEP_S": "0.02"})
     real, started = launcher.launch, []
 
     def launch_then_die(*a, **k):
@@ -164,7 +164,7 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
 
 
 def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=30)
+    recipe = fake_recipe(tmp_path, iterations=30)
     final = tmp_path / "out" / "checkpoint-30" / "latest_checkpointed_iteration.txt"
     lock = tmp_path / "persist" / ".orchestrator-sync.lock"
     held = []
@@ -201,7 +201,7 @@ def test_checkpoint_cut_short_after_a_nan_quarantine_is_not_resumed_from(tmp_pat
     from orchestrator.recipe import load
     from orchestrator.supervisor import Supervisor
 
-    recipe = write_recipe(tmp_path, iterations=100, faults="nan_loss@15", supervisor={"poll_s": 0.5})
+    recipe = fake_recipe(tmp_path, iterations=100, faults="nan_loss@15", supervisor={"poll_s": 0.5})
     real, calls = launcher.launch, []
 
     def launch(*a, **k):  # the supervisor dies as it relaunches after the NaN (quarantine done)

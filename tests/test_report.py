@@ -22,7 +22,7 @@ from orchestrator.journal import Journal, journal_path
 from orchestrator.recipe import load
 from orchestrator.rundir import state_dir
 from orchestrator.types import Attempt, CrashClass, Progress
-from supervised import cli, journal, logged_steps, supervise, write_recipe
+from supervised import cli, fake_recipe, journal, logged_steps, supervise
 
 FAULTS = "fla_backward_oom@15,cuda_fatal@27,nccl_error@33"
 CLASSES = ["fla_backward_oom", "cuda_fatal", "nccl_error"]
@@ -34,7 +34,7 @@ OLD_STATUS_KEYS = {"run", "state", "step", "max_steps", "attempt", "updated_at",
 def run(tmp_path_factory):
     """One finished run: 40 steps, three crashes, four attempts. Returns (recipe path, output dir)."""
     tmp = tmp_path_factory.mktemp("run")
-    recipe = write_recipe(tmp, faults=FAULTS)
+    recipe = fake_recipe(tmp, faults=FAULTS)
     code, _ = supervise(recipe)
     assert code == 0
     return recipe, tmp / "out"
@@ -113,8 +113,8 @@ def test_status_view_renders_the_pieces(opened):
 
 
 def test_status_while_the_supervisor_runs(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=400, faults="cuda_fatal@12",
-                          extra_env={"FAKE_STEP_S": "0.05", "FAKE_STARTUP_S": "0.02"})
+    recipe = fake_recipe(tmp_path, iterations=400, faults="cuda_fatal@12",
+                         extra_env={"FAKE_STEP_S": "0.05", "FAKE_STARTUP_S": "0.02"})
     from orchestrator.supervisor import Supervisor
 
     sup = Supervisor(load(recipe), install_signals=False)
@@ -267,7 +267,7 @@ def test_report_html_from_a_run_with_three_crashes(opened, run):
 
 def test_report_escapes_log_text_and_reads_the_drifted_output_dir(tmp_path):
     """Evidence is raw trainer output; and a drifted run lives in <output_dir>-<hash8> (kv output_dir)."""
-    recipe = write_recipe(tmp_path, iterations=20)
+    recipe = fake_recipe(tmp_path, iterations=20)
     r = load(recipe)
     real = tmp_path / "out-deadbeef"
     real.mkdir()
@@ -329,7 +329,7 @@ def test_cli_round_trips(run, tmp_path):
 
 
 def test_cli_without_a_journal_is_bad_input(tmp_path):
-    recipe = write_recipe(tmp_path)
+    recipe = fake_recipe(tmp_path)
     for cmd in ("status", "history", "report"):
         p = cli(cmd, str(recipe))
         assert p.returncode == 2 and "no journal yet" in p.stderr
