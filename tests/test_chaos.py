@@ -10,7 +10,6 @@ import fcntl
 import os
 import random
 import threading
-import time
 
 import pytest
 
@@ -151,9 +150,12 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
         Supervisor(load(recipe), install_signals=False).run()
     monkeypatch.undo()
     orphan = started[1]
-    assert orphan.proc.poll() is None, "the orphaned trainer keeps training"
-    # Let the orphan reach checkpoint-20 and fire cold_start_oom@21 mid-training itself, as it did in the soak.
+    # The orphan trains on, reaches checkpoint-20 and fires cold_start_oom@21 mid-training itself, as it
+    # did in the soak. Whether it is still running now is a race (0.2 s of steps), so ask how it ended:
+    # by its own fault, not by a signal from the dying supervisor.
     assert chaos.wait_for(lambda: orphan.exited.is_set(), 60, 0.05)
+    assert orphan.status.signal is None and orphan.status.code == 1, f"the orphan was stopped: {orphan.status}"
+    assert "checkpoint-20" in chaos.attempt_log(str(orphan.log_path))[0], "the orphan kept training to step 21"
     code, _ = supervise(recipe)
     assert code == ExitCode.OK
     runs = attempts(tmp_path / "out")
@@ -163,20 +165,36 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
         "the orphan has a row (ended by the successor), the successor's attempt comes after it"
 
 
-def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path):
+def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path, monkeypatch):
+    from orchestrator import sync
+
     recipe = fake_recipe(tmp_path, iterations=30)
     final = tmp_path / "out" / "checkpoint-30" / "latest_checkpointed_iteration.txt"
     lock = tmp_path / "persist" / ".orchestrator-sync.lock"
-    held = []
+    held, final_round, lock_held_at_final_round = threading.Event(), threading.Event(), []
+    real_open_lock = sync._open_lock
 
-    def hold_like_an_orphaned_rsync():  # the lock for 2 s from the final save on
+    def open_lock(persistent, wait_s=0.0):
+        if wait_s > 0:  # the final round, the only one that waits for the lock
+            assert held.wait(60), "the holder never got the lock"  # the scenario's order, not a race
+            probe = os.open(lock, os.O_RDWR)
+            try:
+                lock_held_at_final_round.append(not _try_flock(probe))
+            finally:
+                os.close(probe)
+            final_round.set()
+        return real_open_lock(persistent, wait_s)
+
+    monkeypatch.setattr(sync, "_open_lock", open_lock)
+
+    def hold_like_an_orphaned_rsync():  # the lock from the final save until the final sync is waiting for it
         assert chaos.wait_for(final.exists, 60)
         lock.parent.mkdir(exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT)
         try:
             assert chaos.wait_for(lambda: _try_flock(fd), 30, 0.005)
-            held.append(time.monotonic())
-            time.sleep(2)
+            held.set()
+            final_round.wait(60)
         finally:
             os.close(fd)
 
@@ -184,7 +202,8 @@ def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path):
     t.start()
     code, _ = supervise(recipe)
     t.join(60)
-    assert code == ExitCode.OK and held
+    assert code == ExitCode.OK and held.is_set()
+    assert lock_held_at_final_round == [True], "the final sync met the held lock"
     assert (tmp_path / "persist" / "checkpoint-30").is_dir(), "the final checkpoint was published"
 
 
