@@ -5,9 +5,9 @@ from __future__ import annotations
 import html.parser
 import json
 import math
+import os
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -125,14 +125,15 @@ def test_status_while_the_supervisor_runs(tmp_path):
         while True:
             assert time.monotonic() < deadline, "the run never got past step 20"
             path = journal_path(state_dir(tmp_path / "out"))
-            try:  # the supervisor may be creating the journal right now
+            try:  # not created yet; once there, it has its tables (no "no such table" to tolerate)
                 j = Journal(path, readonly=True)
+            except FileNotFoundError:
+                kv, n = {}, 0
+            else:
                 try:
                     kv, n = j.get_all(), len(j.attempts())
                 finally:
                     j.close()
-            except (FileNotFoundError, sqlite3.OperationalError):
-                kv, n = {}, 0
             if kv.get("state") == "running" and (kv.get("step") or 0) >= 20 and n == 2:
                 break
             time.sleep(0.2)
@@ -151,21 +152,36 @@ def test_status_while_the_supervisor_runs(tmp_path):
     assert not thread.is_alive()
 
 
-def test_watch_refreshes_until_ctrl_c(run):
+def test_watch_refreshes_until_ctrl_c(run, tmp_path):
     recipe, _ = run
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "status", str(recipe), "--watch"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(3)
-        assert p.poll() is None, "--watch must keep refreshing"
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=20)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 0, err
-    assert "completed" in out and "Traceback" not in err
+    # A terminal as far as rich can tell, so each refresh reaches stdout and can be waited for.
+    env = dict(os.environ, TTY_COMPATIBLE="1", TERM="xterm", NO_COLOR="1", COLUMNS="120")
+    with open(tmp_path / "stderr", "w+") as err:
+        p = subprocess.Popen([sys.executable, "-m", "orchestrator", "status", str(recipe), "--watch"],
+                             stdout=subprocess.PIPE, stderr=err, env=env)
+        out, refreshed = bytearray(), threading.Event()
+
+        def read() -> None:
+            for chunk in iter(lambda: os.read(p.stdout.fileno(), 1 << 16), b""):
+                out.extend(chunk)
+                if out.count("╭".encode()) >= 2:  # the panel's corner: the first view and one refresh
+                    refreshed.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            assert refreshed.wait(30), f"--watch never refreshed: {out.decode(errors='replace')[-500:]}"
+            assert p.poll() is None, "--watch must keep refreshing"
+            p.send_signal(signal.SIGINT)
+            assert p.wait(20) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        reader.join(10)
+        err.seek(0)
+        assert "Traceback" not in err.read()
+    assert b"completed" in out
 
 
 def test_loss_summary_trend_sparkline_and_nan():
