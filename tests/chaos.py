@@ -73,7 +73,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervised import fake_recipe  # noqa: E402
+from supervised import fake_recipe, wait_for  # noqa: E402
 
 from orchestrator import checkpoints as ck  # noqa: E402
 from orchestrator import manifest as mf  # noqa: E402
@@ -380,15 +380,6 @@ def make_rsync_wrapper(directory: Path, bwlimit_kib: int) -> Path | None:
     w.write_text(f"#!/bin/sh\nexec {real} --bwlimit={bwlimit_kib} \"$@\"\n")
     w.chmod(0o755)
     return directory
-
-
-def wait_for(cond, timeout: float, step: float = POLL_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(step)
 
 
 # ------------------------------------------------------------------------------------------ the sampler

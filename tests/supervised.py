@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import merge, write_recipe
@@ -45,6 +46,17 @@ def fake_recipe(tmp: Path, *, iterations: int = 40, save_steps: int = 10, faults
         "supervisor": sup,
     }
     return write_recipe(tmp, "r.toml", **merge(fake, sections))
+
+
+def wait_for(cond, timeout: float, step: float = 0.01):
+    """Poll `cond` until it is truthy or `timeout` s passed; returns its last value. For events that
+    have no handle in the test (a file, a journal row, a process state): a bounded poll, not a sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(step)
 
 
 def supervise(recipe_path: Path, *overrides: str):

@@ -16,7 +16,7 @@ import pytest
 import chaos
 from chaos import C, SAVE, Config, plan_soak, soak
 from orchestrator.types import CrashClass, ExitCode
-from supervised import attempts, fake_recipe, supervise
+from supervised import attempts, fake_recipe, supervise, wait_for
 
 FULL = os.environ.get("ORCH_CHAOS_FULL") == "1"
 
@@ -153,7 +153,7 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
     # The orphan trains on, reaches checkpoint-20 and fires cold_start_oom@21 mid-training itself, as it
     # did in the soak. Whether it is still running now is a race (0.2 s of steps), so ask how it ended:
     # by its own fault, not by a signal from the dying supervisor.
-    assert chaos.wait_for(lambda: orphan.exited.is_set(), 60, 0.05)
+    assert orphan.exited.wait(60)
     assert orphan.status.signal is None and orphan.status.code == 1, f"the orphan was stopped: {orphan.status}"
     assert "checkpoint-20" in chaos.attempt_log(str(orphan.log_path))[0], "the orphan kept training to step 21"
     code, _ = supervise(recipe)
@@ -188,11 +188,11 @@ def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path, monkeypatch):
     monkeypatch.setattr(sync, "_open_lock", open_lock)
 
     def hold_like_an_orphaned_rsync():  # the lock from the final save until the final sync is waiting for it
-        assert chaos.wait_for(final.exists, 60)
+        assert wait_for(final.exists, 60)
         lock.parent.mkdir(exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT)
         try:
-            assert chaos.wait_for(lambda: _try_flock(fd), 30, 0.005)
+            assert wait_for(lambda: _try_flock(fd), 30, 0.005)
             held.set()
             final_round.wait(60)
         finally:
