@@ -89,7 +89,8 @@ def check_trainer(r: Recipe) -> Check:
     where = f"run.entrypoint[0] = {name!r}" if r.run.entrypoint else f"{name!r} (the {r.run.backend} trainer)"
     fix = ("give an existing executable (an absolute path, or a name on PATH)" if r.run.entrypoint else
            "install ms-swift into this environment, or set run.entrypoint")
-    return Check("trainer", False, f"{where}: no such executable on PATH or next to {sys.executable}; {fix}")
+    looked = "no executable file at that path" if os.sep in name else f"not found on PATH or next to {sys.executable}"
+    return Check("trainer", False, f"{where}: {looked}; {fix}")
 
 
 def check_layout(r: Recipe) -> list[Check]:

@@ -20,7 +20,7 @@ def test_run_refuses_a_missing_entrypoint(tmp_path):
     recipe = fake_recipe(tmp_path, run={"entrypoint": [MISSING, "--flag"]})
     r = cli("run", str(recipe))
     assert r.returncode == ExitCode.BAD_INPUT, r.stderr
-    assert f"pre-flight trainer: run.entrypoint[0] = '{MISSING}': no such executable" in r.stderr
+    assert f"pre-flight trainer: run.entrypoint[0] = '{MISSING}': no executable file at that path" in r.stderr
     assert "Traceback" not in r.stderr
     assert attempts(tmp_path / "out") == []
 

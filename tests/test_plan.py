@@ -167,8 +167,8 @@ def test_check_trainer_absolute_entrypoint(write_recipe, tmp_path):
 
 
 @pytest.mark.parametrize("entrypoint,fragment", [
-    (["/nonexistent/bin/trainer"], "run.entrypoint[0] = '/nonexistent/bin/trainer': no such executable"),
-    (["no-such-trainer-xyz", "sft"], "run.entrypoint[0] = 'no-such-trainer-xyz'"),
+    (["/nonexistent/bin/trainer"], "run.entrypoint[0] = '/nonexistent/bin/trainer': no executable file at that path"),
+    (["no-such-trainer-xyz", "sft"], "run.entrypoint[0] = 'no-such-trainer-xyz': not found on PATH"),
     (["./relative-missing"], "'./relative-missing'"),
 ])
 def test_check_trainer_missing_entrypoint(write_recipe, entrypoint, fragment):
