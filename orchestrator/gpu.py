@@ -53,46 +53,77 @@ class NvmlReader:
                         procs += [GpuProcess(p.pid, p.usedGpuMemory) for p in getter(h)]
                     except nv.NVMLError:
                         pass
-                gpus.append(GpuInfo(i, name.decode() if isinstance(name, bytes) else name,
-                                    int(mem.total), int(mem.used), tuple(procs)))
+                gpus.append(GpuInfo(i, _text(name), int(mem.total), int(mem.used), tuple(procs),
+                                    _text(nv.nvmlDeviceGetUUID(h))))
             return GpuSnapshot(gpus=tuple(gpus))
         except Exception as e:  # no driver, no library, driver/library mismatch: all mean "cannot see"
             return GpuSnapshot(error=f"NVML unavailable: {e}")
+
+
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 def reader(check: bool) -> GpuReader:
     return NvmlReader() if check else NullReader()
 
 
-def run_gpus(nproc: int, cuda_visible: str | None) -> list[int]:
-    """Indices of the GPUs a run uses: CUDA_VISIBLE_DEVICES when it lists indices, else 0..nproc-1."""
-    if cuda_visible:
-        ids = [x.strip() for x in cuda_visible.split(",") if x.strip()]
-        if ids and all(x.isdigit() for x in ids):
-            return [int(x) for x in ids]
-    return list(range(nproc))
+class GpuSelectionError(ValueError):
+    """CUDA_VISIBLE_DEVICES names GPUs in a form the verification cannot map onto what NVML reports."""
 
 
-def clear_verdict(snap: GpuSnapshot, indices: Iterable[int], threshold_mib: int) -> tuple[bool, list[str]]:
+GpuId = int | str   # an NVML index, or a GPU UUID (or a unique prefix of one, as CUDA accepts)
+
+
+def run_gpus(nproc: int, cuda_visible: str | None) -> list[GpuId]:
+    """The GPUs a run uses: CUDA_VISIBLE_DEVICES's indices and GPU-UUIDs, else 0..nproc-1.
+    MIG instances and anything else are refused: checking other GPUs than the trainer gets would
+    let a launch onto busy GPUs through (and hold back one onto idle GPUs)."""
+    ids = [x.strip() for x in (cuda_visible or "").split(",") if x.strip()]
+    if not ids:
+        return list(range(nproc))
+    mig = [x for x in ids if x.upper().startswith("MIG-")]
+    if mig:
+        raise GpuSelectionError(f"CUDA_VISIBLE_DEVICES={cuda_visible}: {mig[0]} is a MIG instance; NVML reports whole GPUs, "
+                                "so the GPUs cannot be verified: give GPU indices or GPU-UUIDs, or set gpu.check = false")
+    bad = [x for x in ids if not (x.isdigit() or (x.upper().startswith("GPU-") and len(x) > 4))]
+    if bad:
+        raise GpuSelectionError(f"CUDA_VISIBLE_DEVICES={cuda_visible}: {bad[0]!r} is neither a GPU index nor a GPU UUID "
+                                "(GPU-...); list GPUs as nvidia-smi -L shows them")
+    return [int(x) if x.isdigit() else x for x in ids]
+
+
+def find(snap: GpuSnapshot, gid: GpuId) -> list[GpuInfo]:
+    """The GPUs `gid` names: the one with that index, or those whose UUID starts with it."""
+    if isinstance(gid, int):
+        return [g for g in snap.gpus if g.index == gid]
+    return [g for g in snap.gpus if g.uuid and g.uuid.lower().startswith(gid.lower())]
+
+
+def _label(gid: GpuId) -> str:
+    return f"GPU {gid}" if isinstance(gid, int) else gid
+
+
+def clear_verdict(snap: GpuSnapshot, ids: Iterable[GpuId], threshold_mib: int) -> tuple[bool, list[str]]:
     """Clear = NVML readable, and on every GPU the run uses: no compute process and used memory
     under the threshold. Returns (clear, reasons it is not)."""
     if snap.error:
         return False, [snap.error]
-    by_index = {g.index: g for g in snap.gpus}
     problems = []
-    for i in indices:
-        g = by_index.get(i)
-        if g is None:
-            problems.append(f"GPU {i} not found (NVML sees {len(snap.gpus)})")
+    for gid in ids:
+        found = find(snap, gid)
+        if len(found) != 1:
+            what = "not found" if not found else f"matches {len(found)} GPUs"
+            problems.append(f"{_label(gid)} {what} (NVML sees {len(snap.gpus)})")
             continue
+        g, name = found[0], _label(gid)
         if g.processes:
             pids = ", ".join(str(p.pid) for p in g.processes)
-            problems.append(f"GPU {i}: held by pid {pids}")
+            problems.append(f"{name}: held by pid {pids}")
         if g.memory_used_bytes > threshold_mib * MIB:
-            problems.append(f"GPU {i}: {g.memory_used_bytes / MIB:.0f} MiB used (threshold {threshold_mib} MiB)")
+            problems.append(f"{name}: {g.memory_used_bytes / MIB:.0f} MiB used (threshold {threshold_mib} MiB)")
     return not problems, problems
 
 
-def holders(snap: GpuSnapshot, indices: Iterable[int]) -> set[int]:
-    wanted = set(indices)
-    return {p.pid for g in snap.gpus if g.index in wanted for p in g.processes}
+def holders(snap: GpuSnapshot, ids: Iterable[GpuId]) -> set[int]:
+    return {p.pid for gid in ids for g in find(snap, gid) for p in g.processes}

@@ -9,17 +9,14 @@ durations (hang detection, waits), so a wall-clock step never fakes a hang or cu
 """
 from __future__ import annotations
 
-import shutil
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
 from orchestrator import gpu, launcher
+from orchestrator.host_probe import first_free_port, free_gib, port_free  # noqa: F401 (first_free_port: for the loop)
 from orchestrator.types import Command, ExitStatus, GpuSnapshot
-
-GIB = 1024**3
 
 
 class Trainer(Protocol):
@@ -43,7 +40,8 @@ class Host(Protocol):
         """Wait up to timeout_s for the trainer to exit (wakes at once when it does)."""
 
     # --- processes
-    def launch(self, cmd: Command, log_path: Path, run_id: str, cwd: str) -> Trainer: ...
+    def launch(self, cmd: Command, log_path: Path, run_id: str, cwd: str) -> Trainer:
+        """Start the trainer in its own session, output to log_path; launcher.LaunchError if it cannot start."""
     def terminate(self, run_id: str, pgids: set[int], grace_s: float) -> list[int]:
         """SIGTERM the run's processes, grace, SIGKILL what is left; returns the SIGKILLed pids."""
     def leftovers(self, run_id: str) -> list[int]:
@@ -110,31 +108,3 @@ class LocalHost:
 
     def free_gib(self, path: str) -> float:
         return free_gib(path)
-
-
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def first_free_port(lo: int, hi: int, avoid: set[int] = frozenset(), is_free=port_free) -> int | None:
-    return next((p for p in range(lo, hi + 1) if p not in avoid and is_free(p)), None)
-
-
-def existing_parent(path: Path) -> Path:
-    def exists(p: Path) -> bool:
-        try:
-            return p.exists()
-        except OSError:  # ENAMETOOLONG, EACCES: treat as absent
-            return False
-    while not exists(path) and path != path.parent:
-        path = path.parent
-    return path
-
-
-def free_gib(path: str) -> float:
-    return shutil.disk_usage(existing_parent(Path(path))).free / GIB

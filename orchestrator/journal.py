@@ -6,7 +6,9 @@ verified and synced), kv (current state, progress, recipe hash: the live status)
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import tempfile
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -59,6 +61,35 @@ def disk_error(e: sqlite3.OperationalError) -> bool:
     return "full" in msg or "disk i/o" in msg
 
 
+def _open_writer(path: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(SCHEMA)  # IF NOT EXISTS: an older journal gains the tables added since
+    _add_columns(db)          # ... and the columns
+    return db
+
+
+def _create(path: Path) -> None:
+    """A new journal appears with its schema: built under a temporary name, then linked into place
+    (a `status` that finds the file finds the tables; link, unlike rename, never replaces a journal
+    another process created meanwhile)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".creating")
+    os.close(fd)
+    try:
+        _open_writer(Path(tmp)).close()  # the last connection closing folds the WAL into the file
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links on this filesystem: rename is as atomic, only not exclusive
+            if not path.exists():
+                os.rename(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def journal_path(state_dir: Path) -> Path:
     return state_dir / "journal.sqlite"
 
@@ -71,11 +102,9 @@ class Journal:
             self.db = _reader(path)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(SCHEMA)
-            _add_columns(self.db)
+            if not path.exists():
+                _create(path)
+            self.db = _open_writer(path)
         self.db.row_factory = sqlite3.Row
         self.held: list[tuple[str, object, bool]] = []  # writes a full disk refused, in order
 

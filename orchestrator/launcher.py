@@ -48,13 +48,35 @@ def resolve(argv: tuple[str, ...]) -> list[str]:
     return [exe, *argv[1:]]
 
 
+def locate(argv0: str, env_path: str | None = None, cwd: str | None = None) -> str | None:
+    """The executable launch() will start for argv0, or None when there is none (pre-flight's question).
+    Popen looks a bare name up on the child's PATH (env_path) and a relative path up under cwd."""
+    exe = resolve((argv0,))[0]
+    if os.sep not in exe:
+        exe = shutil.which(exe, path=env_path) if env_path else None
+    elif cwd and not os.path.isabs(exe):
+        exe = os.path.join(cwd, exe)
+    return exe if exe and os.path.isfile(exe) and os.access(exe, os.X_OK) else None
+
+
+class LaunchError(Exception):
+    """The trainer could not be started at all (executable or working directory missing, not
+    executable): nothing runs, so there is no exit status to classify and retrying will not help."""
+
+
 def launch(cmd: Command, log_path: Path, run_id: str, cwd: str | None = None) -> Launched:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # The trainer must not inherit systemd's NOTIFY_SOCKET/WATCHDOG_*: only the supervisor talks to systemd.
     env = {**child_env(), **cmd.env, RUN_MARKER: run_id}
+    argv = resolve(cmd.argv)
     with open(log_path, "ab", buffering=0) as log:
-        proc = subprocess.Popen(resolve(cmd.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, start_new_session=True)
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, cwd=cwd, start_new_session=True)
+        except OSError as e:  # gone since pre-flight (a venv being reinstalled, an unmounted disk)
+            raise LaunchError(f"cannot start the trainer {argv[0]!r} (cwd {cwd or os.getcwd()}): "
+                              f"{e.strerror or e}: {e.filename or argv[0]}; check run.entrypoint and the "
+                              "environment, then run again") from e
     try:
         create_time = psutil.Process(proc.pid).create_time()
     except psutil.Error:

@@ -6,11 +6,13 @@ same list serves `plan` (print everything) and `run` (refuse to launch on a fata
 from __future__ import annotations
 
 import json
-import shutil
-import socket
+import os
+import sys
 from pathlib import Path
 
-from orchestrator import estimate, gpu
+from orchestrator import estimate, gpu, launcher
+# port_free/first_free_port/free_gib are re-exported for callers that still reach them through plan
+from orchestrator.host_probe import exists, first_free_port, free_gib, port_free  # noqa: F401
 from orchestrator.recipe import Recipe, expert_count, read_model_config, recipe_hash
 from orchestrator.render.command import render_command
 from orchestrator.types import Check, GpuSnapshot
@@ -18,35 +20,9 @@ from orchestrator.types import Check, GpuSnapshot
 GIB = 1024**3
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def first_free_port(lo: int, hi: int, avoid: set[int] = frozenset()) -> int | None:
-    return next((p for p in range(lo, hi + 1) if p not in avoid and port_free(p)), None)
-
-
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except OSError:  # ENAMETOOLONG, EACCES: treat as absent, the check then says what is missing
-        return False
-
-
-def _existing_parent(path: Path) -> Path:
-    while not _exists(path) and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_model(r: Recipe) -> Check:
     d = Path(r.model.path)
-    if not _exists(d / "config.json") or not (d / "config.json").is_file():
+    if not exists(d / "config.json") or not (d / "config.json").is_file():
         return Check("model", False, f"{d}: no config.json (model.path must be a local HF model directory)")
     weights = list(d.glob("*.safetensors"))
     if not weights:
@@ -56,7 +32,7 @@ def check_model(r: Recipe) -> Check:
 
 def check_data(r: Recipe) -> Check:
     local = [p for p in r.data.dataset + r.data.val_dataset if p.startswith("/")]
-    missing = [p for p in local if not _exists(Path(p.split("#")[0]))]
+    missing = [p for p in local if not exists(Path(p.split("#")[0]))]
     if missing:
         return Check("dataset", False, f"missing: {', '.join(missing)}")
     remote = len(r.data.dataset + r.data.val_dataset) - len(local)
@@ -64,10 +40,6 @@ def check_data(r: Recipe) -> Check:
     if remote:
         return Check("dataset", False, f"{detail}; {remote} non-local dataset id(s): runs are offline, use local files")
     return Check("dataset", True, detail)
-
-
-def free_gib(path: str) -> float:
-    return shutil.disk_usage(_existing_parent(Path(path))).free / GIB
 
 
 def check_disk(name: str, path: str | None, need_gib: float) -> Check:
@@ -85,7 +57,17 @@ def check_gpus(r: Recipe, snap: GpuSnapshot) -> Check:
                                     "set gpu.check = false for a CPU run)")
     n = len(snap.gpus)
     want = r.parallel.nproc_per_node
-    return Check("gpus", n >= want, f"NVML sees {n} GPU(s), recipe needs nproc_per_node = {want}")
+    visible = r.env.vars.get("CUDA_VISIBLE_DEVICES")
+    try:
+        ids = gpu.run_gpus(want, visible)
+    except gpu.GpuSelectionError as e:
+        return Check("gpus", False, str(e))
+    unmatched = [str(i) for i in ids if len(gpu.find(snap, i)) != 1]
+    if visible and unmatched:
+        return Check("gpus", False, f"CUDA_VISIBLE_DEVICES={visible}: {', '.join(unmatched)} not among the {n} GPU(s) "
+                                    "NVML sees (or not unique): list GPUs as nvidia-smi -L shows them")
+    return Check("gpus", n >= want, f"NVML sees {n} GPU(s), recipe needs nproc_per_node = {want}"
+                 + (f"; CUDA_VISIBLE_DEVICES selects {len(ids)}" if visible else ""))
 
 
 def check_port(r: Recipe) -> Check:
@@ -94,6 +76,21 @@ def check_port(r: Recipe) -> Check:
     if port is None:
         return Check("rendezvous_port", False, f"no free port in {lo}-{hi}")
     return Check("rendezvous_port", True, f"{port} free (range {lo}-{hi})")
+
+
+def check_trainer(r: Recipe) -> Check:
+    """argv[0] of the rendered command exists and is executable, found as the launch will find it
+    (else the launch fails with no exit status to classify, and a restart fails the same way)."""
+    cmd = render_command(r, None, r.supervisor.port_range[0])
+    name = cmd.argv[0]
+    exe = launcher.locate(name, cmd.env.get("PATH", os.environ.get("PATH")), r.run.output_dir)
+    if exe:
+        return Check("trainer", True, exe if exe == name else f"{name} -> {exe}")
+    where = f"run.entrypoint[0] = {name!r}" if r.run.entrypoint else f"{name!r} (the {r.run.backend} trainer)"
+    fix = ("give an existing executable (an absolute path, or a name on PATH)" if r.run.entrypoint else
+           "install ms-swift into this environment, or set run.entrypoint")
+    looked = "no executable file at that path" if os.sep in name else f"not found on PATH or next to {sys.executable}"
+    return Check("trainer", False, f"{where}: {looked}; {fix}")
 
 
 def check_layout(r: Recipe) -> list[Check]:
@@ -112,7 +109,7 @@ def check_layout(r: Recipe) -> list[Check]:
 def preflight(r: Recipe, snap: GpuSnapshot) -> list[Check]:
     return [check_model(r), check_data(r), check_disk("output_dir", r.run.output_dir, r.supervisor.min_free_gib),
             check_disk("persistent_dir", r.run.persistent_dir, r.supervisor.min_free_gib), check_gpus(r, snap), check_port(r),
-            *check_layout(r)]
+            *check_layout(r), check_trainer(r)]
 
 
 def memory(r: Recipe, snap: GpuSnapshot) -> estimate.MemoryEstimate:

@@ -31,8 +31,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from orchestrator import classify, gpu, plan, policy
-from orchestrator.host import Host, LocalHost, first_free_port
+from orchestrator.host import Host, LocalHost
+from orchestrator.host_probe import first_free_port
 from orchestrator.journal import Journal, journal_path
+from orchestrator.launcher import LaunchError
 from orchestrator.metrics import Metrics
 from orchestrator.notify import Heartbeat, Notifier
 from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
@@ -235,7 +237,12 @@ class Supervisor:
         row = Attempt(n, now, port=port, resumed_from=resume.path if resume else None, log_path=str(log),
                       start_step=resume.step if resume else 0)
         self.journal.record_attempt(row)
-        launched = self.host.launch(cmd, log, self.run_id, cwd=str(self.out))
+        try:
+            launched = self.host.launch(cmd, log, self.run_id, cwd=str(self.out))
+        except LaunchError as e:  # the executable vanished after pre-flight: bad input, not a crash to retry
+            self.journal.record_attempt(replace(row, ended_at=self.host.now(), evidence=(str(e),)))
+            self.journal.event("launch_failed", str(e))
+            raise RecipeError(str(e)) from e
         self.attempt = AttemptWatch.start(n, launched, port, resume, self.out,
                                           replace(row, pid=launched.pid, pid_start_time=launched.create_time))
         self.journal.record_attempt(self.attempt.row)

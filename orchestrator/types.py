@@ -171,6 +171,7 @@ class GpuInfo:
     memory_total_bytes: int
     memory_used_bytes: int
     processes: tuple[GpuProcess, ...] = ()
+    uuid: str | None = None      # "GPU-8c4a...", for CUDA_VISIBLE_DEVICES given as UUIDs
 
 
 @dataclass(frozen=True)

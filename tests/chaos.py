@@ -73,7 +73,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervised import write_recipe  # noqa: E402
+from supervised import fake_recipe, wait_for  # noqa: E402
 
 from orchestrator import checkpoints as ck  # noqa: E402
 from orchestrator import manifest as mf  # noqa: E402
@@ -382,15 +382,6 @@ def make_rsync_wrapper(directory: Path, bwlimit_kib: int) -> Path | None:
     return directory
 
 
-def wait_for(cond, timeout: float, step: float = POLL_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(step)
-
-
 # ------------------------------------------------------------------------------------------ the sampler
 
 @dataclass
@@ -609,9 +600,9 @@ class Run:
         sup = {"wait_s": 0.01, "force_wait_s": 0.01, "nccl_settle_s": 0.01, "grace_s": 2, "poll_s": 0.05,
                "hang_timeout_s": cfg.hang_timeout_s if plan.hang_mode == "silent" else 30,
                "startup_timeout_s": 60, "max_crashes_per_hour": 10000, "max_relaunches_without_progress": 3}
-        self.recipe = write_recipe(self.dir, iterations=plan.iterations, save_steps=SAVE, faults=faults,
-                                   supervisor=sup, extra_env={"FAKE_HANG_MODE": plan.hang_mode,
-                                                              "FAKE_STEP_S": str(cfg.step_s)})
+        self.recipe = fake_recipe(self.dir, iterations=plan.iterations, save_steps=SAVE, faults=faults,
+                                  supervisor=sup, extra_env={"FAKE_HANG_MODE": plan.hang_mode,
+                                                             "FAKE_STEP_S": str(cfg.step_s)})
         r = load(self.recipe)
         self.out, self.persist = Path(r.run.output_dir), Path(r.run.persistent_dir)
         self.state_file = self.dir / "fake-state.json"

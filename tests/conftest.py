@@ -1,6 +1,7 @@
 """Shared fixtures: a valid minimal megatron recipe on disk, with a tiny model dir and a dataset file."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -58,14 +59,17 @@ def make_model(directory: Path, config: dict | None = MODEL_CONFIG, weights: boo
     return directory
 
 
-@pytest.fixture
-def write_recipe(tmp_path):
-    """write_recipe(**sections) -> Path of a recipe.toml in tmp_path (sections deep-merged into MINIMAL)."""
-    make_model(tmp_path / "model")
-    (tmp_path / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+def write_recipe(directory: Path, /, name: str = "recipe.toml", *, base: dict = MINIMAL, **sections) -> Path:
+    """The one recipe writer of the tests: `base` with `sections` deep-merged in, as TOML in
+    `directory`, beside the tiny model directory and the dataset file its relative paths name."""
+    make_model(directory / "model")
+    (directory / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    path = directory / name
+    path.write_text(to_toml(merge(base, sections)))
+    return path
 
-    def write(name: str = "recipe.toml", **sections) -> Path:
-        path = tmp_path / name
-        path.write_text(to_toml(merge(MINIMAL, sections)))
-        return path
-    return write
+
+@pytest.fixture(name="write_recipe")
+def write_recipe_in_tmp_path(tmp_path):
+    """write_recipe(name="recipe.toml", **sections) -> Path, in tmp_path."""
+    return functools.partial(write_recipe, tmp_path)

@@ -5,9 +5,10 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
+import time
 from pathlib import Path
 
+from conftest import merge, write_recipe
 from orchestrator.journal import Journal, journal_path
 from orchestrator.recipe import load
 from orchestrator.rundir import state_dir
@@ -24,16 +25,10 @@ def free_port_range(width: int = 10) -> tuple[int, int]:
     return lo, lo + width - 1
 
 
-def write_recipe(tmp: Path, *, backend: str = "megatron", iterations: int = 40, save_steps: int = 10,
-                 faults: str = "", state: bool = True, extra_env: dict | None = None, supervisor: dict | None = None,
-                 persistent: bool = True, name: str = "r.toml", lr: float = 1e-4, extra: str = "") -> Path:
-    """A megatron (or swift) recipe whose entrypoint is the fake trainer, with fast waits."""
-    model = tmp / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps({"num_experts": 8, "hidden_size": 64, "num_hidden_layers": 2,
-                                                    "vocab_size": 128}))
-    (model / "model.safetensors").write_bytes(b"\0" * 16)
-    (tmp / "data.jsonl").write_text('{"messages": []}\n')
+def fake_recipe(tmp: Path, *, iterations: int = 40, save_steps: int = 10, faults: str = "", state: bool = True,
+                extra_env: dict | None = None, supervisor: dict | None = None, **sections) -> Path:
+    """A megatron recipe whose entrypoint is the fake trainer, with fast waits and its own port range;
+    `sections` are deep-merged last (for example run={"entrypoint": [...]})."""
     lo, hi = free_port_range()
     env = {"FAKE_STEP_S": "0.01", "FAKE_STARTUP_S": "0.02", "FAKE_FAULTS": faults, **(extra_env or {})}
     if state:
@@ -41,41 +36,27 @@ def write_recipe(tmp: Path, *, backend: str = "megatron", iterations: int = 40, 
     sup = {"wait_s": 0.05, "force_wait_s": 0.05, "grace_s": 2, "nccl_settle_s": 0.05, "hang_timeout_s": 2,
            "startup_timeout_s": 20, "min_free_gib": 0.01, "poll_s": 0.05, "port_range": [lo, hi],
            **(supervisor or {})}
-    parallel = "nproc_per_node = 8\nexpert = 8" if backend == "megatron" else "nproc_per_node = 1"
-    iters = "iterations" if backend == "megatron" else "iterations"
-    text = textwrap.dedent(f"""\
-        [run]
-        name = "t"
-        backend = "{backend}"
-        output_dir = "out"
-        {'persistent_dir = "persist"' if persistent else ''}
-        entrypoint = {json.dumps([sys.executable, FAKE])}
-        [model]
-        path = "model"
-        [data]
-        dataset = ["data.jsonl"]
-        [parallel]
-        {parallel}
-        [optim]
-        lr = {lr}
-        {iters} = {iterations}
-        global_batch_size = 8
-        [checkpoint]
-        save_steps = {save_steps}
-        sync_interval_s = 30
-        [gpu]
-        check = false
-        [metrics]
-        listen = "127.0.0.1:0"
-        linger_s = 0
-        [env.vars]
-        """)
-    text += "".join(f"{k} = {json.dumps(v)}\n" for k, v in env.items())
-    text += "[supervisor]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in sup.items())
-    text += extra
-    path = tmp / name
-    path.write_text(text)
-    return path
+    fake = {
+        "run": {"persistent_dir": "persist", "entrypoint": [sys.executable, FAKE]},
+        "optim": {"iterations": iterations, "global_batch_size": 8},
+        "checkpoint": {"save_steps": save_steps, "sync_interval_s": 30},
+        "gpu": {"check": False},
+        "metrics": {"listen": "127.0.0.1:0", "linger_s": 0},
+        "env": {"vars": env},
+        "supervisor": sup,
+    }
+    return write_recipe(tmp, "r.toml", **merge(fake, sections))
+
+
+def wait_for(cond, timeout: float, step: float = 0.01):
+    """Poll `cond` until it is truthy or `timeout` s passed; returns its last value. For events that
+    have no handle in the test (a file, a journal row, a process state): a bounded poll, not a sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(step)
 
 
 def supervise(recipe_path: Path, *overrides: str):

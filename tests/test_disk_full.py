@@ -10,8 +10,7 @@ import threading
 
 import pytest
 
-from chaos import wait_for
-from supervised import attempts, events, write_recipe
+from supervised import attempts, events, fake_recipe, wait_for
 from orchestrator.recipe import load
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import Action, CrashClass, ExitCode, State
@@ -44,8 +43,8 @@ def fill(path, leave: int = 0) -> None:
 
 def test_a_disk_filled_by_something_else_while_training(tmp_path, small_disk):
     out = small_disk / "out"
-    recipe = write_recipe(tmp_path, iterations=60, save_steps=5, persistent=False,
-                          extra_env={"FAKE_STEP_S": "0.05"}, supervisor={"min_free_gib": 0.004, "wait_s": 0.2})
+    recipe = fake_recipe(tmp_path, iterations=60, save_steps=5, extra_env={"FAKE_STEP_S": "0.05"},
+                         supervisor={"min_free_gib": 0.004, "wait_s": 0.2})
     sup = Supervisor(load(recipe, [f"run.output_dir={json.dumps(str(out))}"]), install_signals=False)
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("code", sup.run()))

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import launcher, plan
+from orchestrator import launcher
+from orchestrator.gpu import NullReader
+from orchestrator.host import LocalHost
 from orchestrator.demo import inject_kill
 from orchestrator.recipe import load
 from orchestrator.supervisor import Supervisor
@@ -92,23 +94,22 @@ def test_port_taken_at_rendezvous_with_two_ranks_relaunches_on_a_new_port(tiny, 
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     taken = holder.getsockname()[1]
-    real = plan.first_free_port
-    calls = []
 
-    def racy(lo, hi, avoid=frozenset()):
-        # The first launch's port was free when checked and taken (by a dying worker, say) by the
-        # time torchrun bound it. Pre-flight's own port check is left alone.
-        if sys._getframe(1).f_code.co_name == "_launch":
-            calls.append(1)
-            if len(calls) == 1:
-                return taken
-        return real(lo, hi, avoid)
+    class RacyPort(LocalHost):
+        """The first launch's port was free when checked and taken (by a dying worker, say) by the
+        time torchrun bound it."""
+        lied = False
 
-    monkeypatch.setattr(plan, "first_free_port", racy)
+        def port_free(self, port: int, host: str = "127.0.0.1") -> bool:
+            if port == taken and not self.lied:
+                self.lied = True
+                return True
+            return super().port_free(port, host)
+
     try:
         r = recipe(tiny, tmp_path, "parallel.nproc_per_node=2", "optim.global_batch_size=2", "optim.iterations=6",
-                   "checkpoint.save_steps=3")
-        assert Supervisor(r, install_signals=False).run() == ExitCode.OK
+                   "checkpoint.save_steps=3", f"supervisor.port_range=[{taken}, {taken + 9}]")
+        assert Supervisor(r, host=RacyPort(NullReader()), install_signals=False).run() == ExitCode.OK
     finally:
         holder.close()
     runs = attempts(tmp_path / "out")

@@ -188,9 +188,9 @@ def test_running_a_completed_run_again_adds_no_idle_time(tmp_path):
     from orchestrator.goodput import goodput_of
     from orchestrator.recipe import load
     from orchestrator.supervisor import Supervisor
-    from supervised import journal, supervise, write_recipe
+    from supervised import fake_recipe, journal, supervise
 
-    recipe = write_recipe(tmp_path, iterations=20)
+    recipe = fake_recipe(tmp_path, iterations=20)
     code, _ = supervise(recipe)
     assert code == 0
     j = journal(tmp_path / "out")

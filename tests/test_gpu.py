@@ -4,14 +4,19 @@ from __future__ import annotations
 import pytest
 
 from orchestrator import gpu
-from orchestrator.gpu import MIB, NullReader, NvmlReader, clear_verdict, holders, run_gpus
+from orchestrator.gpu import MIB, GpuSelectionError, NullReader, NvmlReader, clear_verdict, holders, run_gpus
 from orchestrator.types import GpuInfo, GpuProcess, GpuSnapshot
 
 GIB = 1024 * MIB
 
 
+def uuid(index: int) -> str:
+    return f"GPU-{index}c4a1b2e-1111-2222-3333-44445555666{index}"
+
+
 def g(index: int, used_mib: float = 0, pids: tuple[int, ...] = ()) -> GpuInfo:
-    return GpuInfo(index, "NVIDIA H200", 141 * GIB, int(used_mib * MIB), tuple(GpuProcess(p, 1 * GIB) for p in pids))
+    return GpuInfo(index, "NVIDIA H200", 141 * GIB, int(used_mib * MIB), tuple(GpuProcess(p, 1 * GIB) for p in pids),
+                   uuid(index))
 
 
 def snap(*gpus: GpuInfo) -> GpuSnapshot:
@@ -37,6 +42,15 @@ CLEAR = [
     ("missing-index", snap(g(0), g(1)), [0, 1, 2], 1024, False, ["GPU 2 not found", "NVML sees 2"]),
     ("no-gpus", snap(), [0], 1024, False, ["GPU 0 not found", "NVML sees 0"]),
     ("held-and-full", snap(g(3, 80_000, (9,))), [3], 1024, False, ["pid 9", "80000 MiB"]),
+    # CUDA_VISIBLE_DEVICES as UUIDs: the GPUs named are checked, not 0..n-1
+    ("uuid-idle", snap(g(0, 0, (7,)), g(1)), [uuid(1)], 1024, True, []),
+    ("uuid-held", snap(g(0), g(1, 0, (7,))), [uuid(1)], 1024, False, [uuid(1), "pid 7"]),
+    ("uuid-upper-case", snap(g(0), g(1, 0, (7,))), [uuid(1).upper()], 1024, False, ["pid 7"]),
+    ("uuid-prefix", snap(g(0), g(1, 0, (7,))), ["GPU-1c4a"], 1024, False, ["GPU-1c4a: held by pid 7"]),
+    ("uuid-prefix-ambiguous", snap(g(0), g(1)), ["GPU-"], 1024, False, ["GPU- matches 2 GPUs"]),
+    ("uuid-unknown", snap(g(0), g(1)), ["GPU-ffff"], 1024, False, ["GPU-ffff not found", "NVML sees 2"]),
+    ("uuid-no-uuid-read", snap(GpuInfo(0, "x", GIB, 0)), [uuid(0)], 1024, False, ["not found"]),
+    ("index-and-uuid", snap(g(0), g(1, 2048)), [0, uuid(1)], 1024, False, [f"{uuid(1)}: 2048 MiB"]),
 ]
 
 
@@ -68,12 +82,30 @@ def test_clear_verdict_accepts_generator():
     (2, "3,1", [3, 1]),
     (2, "0,,1,", [0, 1]),
     (1, "7", [7]),
-    (2, "GPU-8c4a1b2e-1111-2222-3333-444455556666,GPU-9d5b2c3f-1111-2222-3333-444455556666", [0, 1]),
-    (2, "MIG-1234,0", [0, 1]),
+    (2, "GPU-8c4a1b2e-1111-2222-3333-444455556666,GPU-9d5b2c3f-1111-2222-3333-444455556666",
+     ["GPU-8c4a1b2e-1111-2222-3333-444455556666", "GPU-9d5b2c3f-1111-2222-3333-444455556666"]),
+    (1, "GPU-8c4a", ["GPU-8c4a"]),
+    (2, "0,GPU-8c4a", [0, "GPU-8c4a"]),
     (3, ",", [0, 1, 2]),
 ])
 def test_run_gpus(nproc, visible, expected):
     assert run_gpus(nproc, visible) == expected
+
+
+@pytest.mark.parametrize("visible,fragments", [
+    ("MIG-1234,0", ["MIG-1234 is a MIG instance", "gpu.check = false"]),
+    ("MIG-GPU-8c4a1b2e-1111-2222-3333-444455556666/1/0", ["MIG instance", "GPU indices or GPU-UUIDs"]),
+    ("0,mig-abcd", ["mig-abcd is a MIG instance"]),
+    ("0,abc", ["'abc' is neither a GPU index nor a GPU UUID", "nvidia-smi -L"]),
+    ("-1", ["'-1'"]),
+    ("GPU-", ["'GPU-'"]),
+])
+def test_run_gpus_refuses(visible, fragments):
+    with pytest.raises(GpuSelectionError) as e:
+        run_gpus(2, visible)
+    assert f"CUDA_VISIBLE_DEVICES={visible}" in str(e.value)
+    for f in fragments:
+        assert f in str(e.value)
 
 
 @pytest.mark.parametrize("s,indices,expected", [
@@ -83,6 +115,8 @@ def test_run_gpus(nproc, visible, expected):
     (snap(g(0, 0, (10,))), [5], set()),
     (snap(), [0], set()),
     (GpuSnapshot(error="x"), [0], set()),
+    (snap(g(0, 0, (10,)), g(1, 0, (11,))), [uuid(1)], {11}),
+    (snap(g(0, 0, (10,)), g(1, 0, (11,))), ["GPU-ffff"], set()),
 ])
 def test_holders(s, indices, expected):
     assert holders(s, indices) == expected
@@ -149,6 +183,10 @@ def test_nvml_reader_with_fake_library(monkeypatch):
             return b"NVIDIA H100 80GB HBM3" if h == 0 else "NVIDIA H100 80GB HBM3"
 
         @staticmethod
+        def nvmlDeviceGetUUID(h):
+            return b"GPU-aaaa" if h == 0 else "GPU-bbbb"  # bytes from older nvidia-ml-py
+
+        @staticmethod
         def nvmlDeviceGetComputeRunningProcesses(h):
             return [Proc(100 + h, GIB)]
 
@@ -165,6 +203,8 @@ def test_nvml_reader_with_fake_library(monkeypatch):
     assert s.gpus[1].processes == (GpuProcess(101, GIB),)
     assert s.gpus[0].memory_total_bytes == 80 * GIB
     assert holders(s, [0, 1]) == {100, 101}
+    assert [x.uuid for x in s.gpus] == ["GPU-aaaa", "GPU-bbbb"]
+    assert holders(s, ["GPU-bbbb"]) == {101}
 
 
 @pytest.mark.parametrize("reason", [None, "no GPUs on this host"])

@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "orchestrator"
 LAYERS = {
     "domain": {"types", "orchestrator"},   # the package itself: imports nothing
-    "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate"},
+    "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate",
+                  "retention"},
     "world": {"host", "launcher", "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
-              "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan"},
+              "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe"},
     "loop": {"supervisor"},
     "operations": {"cli", "report", "html_report", "demo", "service", "tiny", "__main__"},
 }

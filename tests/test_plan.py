@@ -24,7 +24,8 @@ class FakeReader:
 
 
 def gpus(n: int, gib: float = 80) -> GpuSnapshot:
-    return GpuSnapshot(gpus=tuple(GpuInfo(i, "NVIDIA H100", int(gib * GIB), 0) for i in range(n)))
+    return GpuSnapshot(gpus=tuple(GpuInfo(i, "NVIDIA H100", int(gib * GIB), 0, uuid=f"GPU-{i:08x}-0000")
+                                  for i in range(n)))
 
 
 NO_DRIVER = GpuSnapshot(error="NVML unavailable: NVML Shared Library Not Found")
@@ -66,7 +67,7 @@ def test_plan_all_ok(write_recipe, tmp_path):
     checks = by_name(plan.plan(r, FakeReader(gpus(8)))["checks"])
     assert {n: c["ok"] for n, c in checks.items()} == {
         "model": True, "dataset": True, "disk:output_dir": True, "disk:persistent_dir": True, "gpus": True,
-        "rendezvous_port": True, "experts_divisible_by_ep": True, "global_batch_divisible": True}
+        "rendezvous_port": True, "experts_divisible_by_ep": True, "global_batch_divisible": True, "trainer": True}
 
 
 @pytest.mark.parametrize("name", [p.name for p in RECIPES])
@@ -122,6 +123,86 @@ def test_plan_uses_first_free_port(write_recipe, listening):
 def test_check_gpus(write_recipe, snap, ok, fragment):
     c = plan.check_gpus(R.load(write_recipe()), snap)
     assert c.ok is ok and fragment in c.detail and c.name == "gpus"
+
+
+@pytest.mark.parametrize("visible,ok,fragment", [
+    ("0,1,2,3,4,5,6,7", True, "CUDA_VISIBLE_DEVICES selects 8"),
+    (",".join(f"GPU-{i:08x}-0000" for i in range(8, 16)), True, "selects 8"),
+    ("GPU-00000008,GPU-0000000f", True, "selects 2"),                   # unique prefixes, as CUDA accepts
+    ("GPU-0000000f,GPU-deadbeef", False, "GPU-deadbeef not among the 16 GPU(s)"),
+    ("GPU-0000000", False, "GPU-0000000 not among"),                    # a prefix of 8 UUIDs: not unique
+    ("3,16", False, "16 not among"),
+    ("MIG-GPU-00000001-0000/1/0", False, "is a MIG instance"),
+    ("0,x", False, "'x' is neither a GPU index nor a GPU UUID"),
+])
+def test_check_gpus_cuda_visible_devices(write_recipe, visible, ok, fragment):
+    c = plan.check_gpus(R.load(write_recipe(env={"vars": {"CUDA_VISIBLE_DEVICES": visible}})), gpus(16))
+    assert (c.ok, c.fatal) == (ok, True) and fragment in c.detail, c.detail
+
+
+def test_check_gpus_mig_ignored_when_checks_are_off(write_recipe):
+    c = plan.check_gpus(R.load(write_recipe(gpu={"check": False}, env={"vars": {"CUDA_VISIBLE_DEVICES": "MIG-1"}})),
+                        NullReader().snapshot())
+    assert c.ok is True and c.fatal is False
+
+
+# --- check_trainer -------------------------------------------------------------------------------
+
+def executable(path, mode: int = 0o755):
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(mode)
+    return str(path)
+
+
+@pytest.mark.parametrize("backend", ["megatron", "swift"])
+def test_check_trainer_default_executable(write_recipe, backend):
+    c = plan.check_trainer(R.load(write_recipe(run={"backend": backend}, parallel={"nproc_per_node": 1, "expert": 1})))
+    assert c.ok is True and c.name == "trainer" and c.fatal is True, c.detail  # installed next to this interpreter
+
+
+def test_check_trainer_absolute_entrypoint(write_recipe, tmp_path):
+    exe = executable(tmp_path / "train.sh")
+    c = plan.check_trainer(R.load(write_recipe(run={"entrypoint": [exe, "--flag"]})))
+    assert c.ok is True and c.detail == exe
+
+
+@pytest.mark.parametrize("entrypoint,fragment", [
+    (["/nonexistent/bin/trainer"], "run.entrypoint[0] = '/nonexistent/bin/trainer': no executable file at that path"),
+    (["no-such-trainer-xyz", "sft"], "run.entrypoint[0] = 'no-such-trainer-xyz': not found on PATH"),
+    (["./relative-missing"], "'./relative-missing'"),
+])
+def test_check_trainer_missing_entrypoint(write_recipe, entrypoint, fragment):
+    c = plan.check_trainer(R.load(write_recipe(run={"entrypoint": entrypoint})))
+    assert (c.ok, c.fatal, c.name) == (False, True, "trainer") and fragment in c.detail, c.detail
+    assert "give an existing executable" in c.detail
+
+
+def test_check_trainer_not_executable(write_recipe, tmp_path):
+    exe = executable(tmp_path / "train.sh", 0o644)
+    assert plan.check_trainer(R.load(write_recipe(run={"entrypoint": [exe]}))).ok is False
+
+
+def test_check_trainer_on_the_recipes_path(write_recipe, tmp_path):
+    """A bare name is looked up on the trainer's PATH when the recipe sets one, as Popen does."""
+    (tmp_path / "bin").mkdir()
+    exe = executable(tmp_path / "bin" / "my-trainer")
+    c = plan.check_trainer(R.load(write_recipe(run={"entrypoint": ["my-trainer"]},
+                                               env={"vars": {"PATH": str(tmp_path / "bin")}})))
+    assert c.ok is True and c.detail == f"my-trainer -> {exe}"
+
+
+def test_check_trainer_relative_to_output_dir(write_recipe, tmp_path):
+    """The trainer starts in output_dir, so a relative entrypoint is found there."""
+    (tmp_path / "out").mkdir()
+    executable(tmp_path / "out" / "train.sh")
+    assert plan.check_trainer(R.load(write_recipe(run={"entrypoint": ["./train.sh"]}))).ok is True
+
+
+def test_check_trainer_default_missing_names_the_fix(write_recipe, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(plan.launcher.sys, "executable", str(tmp_path / "python"))  # no swift/megatron beside it
+    c = plan.check_trainer(R.load(write_recipe()))
+    assert c.ok is False and "'megatron' (the megatron trainer)" in c.detail and "set run.entrypoint" in c.detail
 
 
 # --- ports ---------------------------------------------------------------------------------------
@@ -223,7 +304,7 @@ def test_check_layout(write_recipe, sections, ep_ok, ep_fatal):
 def test_preflight_names(write_recipe):
     names = [c.name for c in plan.preflight(R.load(write_recipe()), gpus(8))]
     assert names == ["model", "dataset", "disk:output_dir", "disk:persistent_dir", "gpus", "rendezvous_port",
-                     "experts_divisible_by_ep", "global_batch_divisible"]
+                     "experts_divisible_by_ep", "global_batch_divisible", "trainer"]
 
 
 # --- memory --------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 from orchestrator.recipe import load
 from orchestrator.supervisor import Supervisor
 from prom import ALERT_RULES, firing, free_port, needs_prometheus, poll, query, running_prometheus, scalar
-from supervised import write_recipe
+from supervised import fake_recipe
 
 FAULTS = "fla_backward_oom@30,cuda_fatal@60,nccl_error@90,oom_during_training@120"
 
@@ -21,9 +21,9 @@ def test_crash_loop_alert_fires_for_a_supervised_run(tmp_path: Path):
     port = free_port()
     target = f"127.0.0.1:{port}"
     # Long enough that the run is still going when the alert fires; stopped on request below.
-    recipe = write_recipe(tmp_path, iterations=2000, faults=FAULTS,
-                          extra_env={"FAKE_STEP_S": "0.01", "FAKE_STARTUP_S": "0.3"},
-                          supervisor={"max_crashes_per_hour": 3})
+    recipe = fake_recipe(tmp_path, iterations=2000, faults=FAULTS,
+                         extra_env={"FAKE_STEP_S": "0.01", "FAKE_STARTUP_S": "0.3"},
+                         supervisor={"max_crashes_per_hour": 3})
     sup = Supervisor(load(recipe, [f'metrics.listen="{target}"']), install_signals=False)
     # increase() needs a 0 sample before the first crash: hold the first launch (metrics are
     # already served from pre-flight) until Prometheus has scraped the zero counters.

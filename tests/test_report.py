@@ -5,9 +5,9 @@ from __future__ import annotations
 import html.parser
 import json
 import math
+import os
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -22,7 +22,7 @@ from orchestrator.journal import Journal, journal_path
 from orchestrator.recipe import load
 from orchestrator.rundir import state_dir
 from orchestrator.types import Attempt, CrashClass, Progress
-from supervised import cli, journal, logged_steps, supervise, write_recipe
+from supervised import cli, fake_recipe, journal, logged_steps, supervise
 
 FAULTS = "fla_backward_oom@15,cuda_fatal@27,nccl_error@33"
 CLASSES = ["fla_backward_oom", "cuda_fatal", "nccl_error"]
@@ -34,7 +34,7 @@ OLD_STATUS_KEYS = {"run", "state", "step", "max_steps", "attempt", "updated_at",
 def run(tmp_path_factory):
     """One finished run: 40 steps, three crashes, four attempts. Returns (recipe path, output dir)."""
     tmp = tmp_path_factory.mktemp("run")
-    recipe = write_recipe(tmp, faults=FAULTS)
+    recipe = fake_recipe(tmp, faults=FAULTS)
     code, _ = supervise(recipe)
     assert code == 0
     return recipe, tmp / "out"
@@ -113,8 +113,8 @@ def test_status_view_renders_the_pieces(opened):
 
 
 def test_status_while_the_supervisor_runs(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=400, faults="cuda_fatal@12",
-                          extra_env={"FAKE_STEP_S": "0.05", "FAKE_STARTUP_S": "0.02"})
+    recipe = fake_recipe(tmp_path, iterations=400, faults="cuda_fatal@12",
+                         extra_env={"FAKE_STEP_S": "0.05", "FAKE_STARTUP_S": "0.02"})
     from orchestrator.supervisor import Supervisor
 
     sup = Supervisor(load(recipe), install_signals=False)
@@ -125,14 +125,15 @@ def test_status_while_the_supervisor_runs(tmp_path):
         while True:
             assert time.monotonic() < deadline, "the run never got past step 20"
             path = journal_path(state_dir(tmp_path / "out"))
-            try:  # the supervisor may be creating the journal right now
+            try:  # not created yet; once there, it has its tables (no "no such table" to tolerate)
                 j = Journal(path, readonly=True)
+            except FileNotFoundError:
+                kv, n = {}, 0
+            else:
                 try:
                     kv, n = j.get_all(), len(j.attempts())
                 finally:
                     j.close()
-            except (FileNotFoundError, sqlite3.OperationalError):
-                kv, n = {}, 0
             if kv.get("state") == "running" and (kv.get("step") or 0) >= 20 and n == 2:
                 break
             time.sleep(0.2)
@@ -151,21 +152,36 @@ def test_status_while_the_supervisor_runs(tmp_path):
     assert not thread.is_alive()
 
 
-def test_watch_refreshes_until_ctrl_c(run):
+def test_watch_refreshes_until_ctrl_c(run, tmp_path):
     recipe, _ = run
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "status", str(recipe), "--watch"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(3)
-        assert p.poll() is None, "--watch must keep refreshing"
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=20)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 0, err
-    assert "completed" in out and "Traceback" not in err
+    # A terminal as far as rich can tell, so each refresh reaches stdout and can be waited for.
+    env = dict(os.environ, TTY_COMPATIBLE="1", TERM="xterm", NO_COLOR="1", COLUMNS="120")
+    with open(tmp_path / "stderr", "w+") as err:
+        p = subprocess.Popen([sys.executable, "-m", "orchestrator", "status", str(recipe), "--watch"],
+                             stdout=subprocess.PIPE, stderr=err, env=env)
+        out, refreshed = bytearray(), threading.Event()
+
+        def read() -> None:
+            for chunk in iter(lambda: os.read(p.stdout.fileno(), 1 << 16), b""):
+                out.extend(chunk)
+                if out.count("╭".encode()) >= 2:  # the panel's corner: the first view and one refresh
+                    refreshed.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            assert refreshed.wait(30), f"--watch never refreshed: {out.decode(errors='replace')[-500:]}"
+            assert p.poll() is None, "--watch must keep refreshing"
+            p.send_signal(signal.SIGINT)
+            assert p.wait(20) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        reader.join(10)
+        err.seek(0)
+        assert "Traceback" not in err.read()
+    assert b"completed" in out
 
 
 def test_loss_summary_trend_sparkline_and_nan():
@@ -267,7 +283,7 @@ def test_report_html_from_a_run_with_three_crashes(opened, run):
 
 def test_report_escapes_log_text_and_reads_the_drifted_output_dir(tmp_path):
     """Evidence is raw trainer output; and a drifted run lives in <output_dir>-<hash8> (kv output_dir)."""
-    recipe = write_recipe(tmp_path, iterations=20)
+    recipe = fake_recipe(tmp_path, iterations=20)
     r = load(recipe)
     real = tmp_path / "out-deadbeef"
     real.mkdir()
@@ -329,7 +345,7 @@ def test_cli_round_trips(run, tmp_path):
 
 
 def test_cli_without_a_journal_is_bad_input(tmp_path):
-    recipe = write_recipe(tmp_path)
+    recipe = fake_recipe(tmp_path)
     for cmd in ("status", "history", "report"):
         p = cli(cmd, str(recipe))
         assert p.returncode == 2 and "no journal yet" in p.stderr
@@ -347,7 +363,7 @@ def test_eta_after_a_resume_uses_the_resumed_attempts_own_rate(tmp_path, trainer
     """Attempt 1 ran at 1 s/step to step 26; attempt 2 resumed from 20 at 3 s/step and is at step 23.
     Its ETA is 17 steps x 3 s, not at the old attempt's rate (whose steps 24-26 are still the newest
     records in logging.jsonl), nor at the average of both."""
-    recipe = write_recipe(tmp_path, iterations=40)
+    recipe = fake_recipe(tmp_path, iterations=40)
     r = load(recipe)
     out = tmp_path / "out"
     out.mkdir()

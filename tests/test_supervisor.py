@@ -17,7 +17,7 @@ import pytest
 from orchestrator.launcher import RUN_MARKER
 from orchestrator.rundir import run_id
 from orchestrator.types import CrashClass, ExitCode
-from supervised import attempts, cli, events, journal, logged_steps, supervise, write_recipe
+from supervised import attempts, cli, events, fake_recipe, journal, logged_steps, supervise
 
 RECOVERED = [c for c in CrashClass if c not in (CrashClass.OTHER,)]
 
@@ -25,7 +25,7 @@ RECOVERED = [c for c in CrashClass if c not in (CrashClass.OTHER,)]
 @pytest.mark.parametrize("cls", RECOVERED, ids=lambda c: c.value)
 def test_each_class_is_classified_and_recovered(tmp_path, cls):
     step = 0 if cls in (CrashClass.COLD_START_OOM, CrashClass.PORT_IN_USE) else 15
-    recipe = write_recipe(tmp_path, faults=f"{cls.value}@{step}")
+    recipe = fake_recipe(tmp_path, faults=f"{cls.value}@{step}")
     code, _ = supervise(recipe)
     assert code == ExitCode.OK
     runs = attempts(tmp_path / "out")
@@ -40,7 +40,7 @@ def test_each_class_is_classified_and_recovered(tmp_path, cls):
 
 
 def test_class_other_gives_up_with_exit_3(tmp_path):
-    recipe = write_recipe(tmp_path, faults="other@0")
+    recipe = fake_recipe(tmp_path, faults="other@0")
     code, sup = supervise(recipe)
     assert code == ExitCode.GAVE_UP
     runs = attempts(tmp_path / "out")
@@ -50,14 +50,14 @@ def test_class_other_gives_up_with_exit_3(tmp_path):
 
 def test_nan_loss_twice_in_a_row_gives_up(tmp_path):
     # Without FAKE_STATE the fault fires on every launch: the NaN comes back after the resume.
-    code, _ = supervise(write_recipe(tmp_path, faults="nan_loss@15", state=False))
+    code, _ = supervise(fake_recipe(tmp_path, faults="nan_loss@15", state=False))
     assert code == ExitCode.GAVE_UP
     assert [a.cls for a in attempts(tmp_path / "out")] == [CrashClass.NAN_LOSS, CrashClass.NAN_LOSS]
 
 
 def test_crash_loop_without_checkpoint_progress_gives_up(tmp_path):
-    recipe = write_recipe(tmp_path, faults="cold_start_oom@0", state=False,
-                          supervisor={"max_relaunches_without_progress": 3})
+    recipe = fake_recipe(tmp_path, faults="cold_start_oom@0", state=False,
+                         supervisor={"max_relaunches_without_progress": 3})
     code, sup = supervise(recipe)
     assert code == ExitCode.GAVE_UP
     assert len(attempts(tmp_path / "out")) == 3
@@ -66,7 +66,7 @@ def test_crash_loop_without_checkpoint_progress_gives_up(tmp_path):
 
 def test_crash_loop_backs_off_and_alerts(tmp_path):
     faults = ",".join(f"fla_backward_oom@{s}" for s in (12, 22, 32, 35))
-    recipe = write_recipe(tmp_path, faults=faults, supervisor={"max_crashes_per_hour": 3, "wait_s": 0.05})
+    recipe = fake_recipe(tmp_path, faults=faults, supervisor={"max_crashes_per_hour": 3, "wait_s": 0.05})
     code, sup = supervise(recipe)
     assert code == ExitCode.OK
     kinds = [e["data"].get("evidence") and e["message"] for e in events(tmp_path / "out", "crash")]
@@ -76,7 +76,7 @@ def test_crash_loop_backs_off_and_alerts(tmp_path):
 
 
 def test_hang_is_detected_stacks_dumped_and_restarted(tmp_path):
-    code, _ = supervise(write_recipe(tmp_path, faults="nccl_timeout_hang@25"))
+    code, _ = supervise(fake_recipe(tmp_path, faults="nccl_timeout_hang@25"))
     assert code == ExitCode.OK
     runs = attempts(tmp_path / "out")
     assert runs[0].cls is CrashClass.NCCL_TIMEOUT_HANG and "no new training step" in runs[0].evidence[0]
@@ -86,7 +86,7 @@ def test_hang_is_detected_stacks_dumped_and_restarted(tmp_path):
 
 
 def test_steps_never_go_back_past_the_last_good_checkpoint(tmp_path):
-    code, _ = supervise(write_recipe(tmp_path, faults="cuda_fatal@17,nccl_error@33"))
+    code, _ = supervise(fake_recipe(tmp_path, faults="cuda_fatal@17,nccl_error@33"))
     assert code == ExitCode.OK
     runs = attempts(tmp_path / "out")
     assert [r.start_step for r in runs] == [0, 10, 30]
@@ -95,7 +95,7 @@ def test_steps_never_go_back_past_the_last_good_checkpoint(tmp_path):
 
 
 def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path):
-    recipe = write_recipe(tmp_path, faults="fla_backward_oom@25")
+    recipe = fake_recipe(tmp_path, faults="fla_backward_oom@25")
     out = tmp_path / "out"
     # Corrupt checkpoint-20 the moment it is written: a stub adapter with a header and no tensors.
     from orchestrator.supervisor import Supervisor
@@ -120,7 +120,7 @@ def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path):
 
 
 def test_resume_divergence_stops_the_run(tmp_path):
-    recipe = write_recipe(tmp_path, faults="fla_backward_oom@15")
+    recipe = fake_recipe(tmp_path, faults="fla_backward_oom@15")
     assert supervise(recipe)[0] == ExitCode.OK
     # A second run of the same recipe in a new directory, seeded with checkpoint-10 and a
     # logging.jsonl that says step 11 had a very different loss before the "crash".
@@ -136,7 +136,7 @@ def test_resume_divergence_stops_the_run(tmp_path):
 
 
 def test_metrics_are_served_while_running(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=400, extra_env={"FAKE_STEP_S": "0.02"})
+    recipe = fake_recipe(tmp_path, iterations=400, extra_env={"FAKE_STEP_S": "0.02"})
     from orchestrator.recipe import load
     from orchestrator.supervisor import Supervisor
     import threading
@@ -163,7 +163,7 @@ def test_metrics_are_served_while_running(tmp_path):
 
 
 def test_second_supervisor_on_the_same_run_is_refused(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=2000)
+    recipe = fake_recipe(tmp_path, iterations=2000)
     first = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -190,7 +190,7 @@ def _wait_for_step(out: Path, step: int, timeout: float = 60) -> None:
 
 
 def test_sigterm_stops_training_gracefully_and_exits_0(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=3000)
+    recipe = fake_recipe(tmp_path, iterations=3000)
     p = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     _wait_for_step(tmp_path / "out", 12)
@@ -215,7 +215,7 @@ def _run_processes(out: Path) -> list[psutil.Process]:
 
 
 def test_restarted_supervisor_stops_its_predecessors_training_first(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=3000)
+    recipe = fake_recipe(tmp_path, iterations=3000)
     out = tmp_path / "out"
     first = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -251,7 +251,7 @@ def test_restarted_supervisor_stops_its_predecessors_training_first(tmp_path):
 @pytest.mark.parametrize("policy, expect_code, expect_dir", [
     ("fresh", ExitCode.OK, "fresh"), ("refuse", ExitCode.GAVE_UP, None), ("resume", ExitCode.OK, "same")])
 def test_recipe_drift_policies(tmp_path, policy, expect_code, expect_dir):
-    recipe = write_recipe(tmp_path, iterations=20, save_steps=10)
+    recipe = fake_recipe(tmp_path, iterations=20, save_steps=10)
     assert supervise(recipe)[0] == ExitCode.OK
     r = cli("run", str(recipe), "--set", "optim.lr=3e-4", "--set", f"run.on_drift=\"{policy}\"")
     assert r.returncode == expect_code, r.stderr
@@ -266,7 +266,7 @@ def test_recipe_drift_policies(tmp_path, policy, expect_code, expect_dir):
 
 
 def test_resumes_from_persistent_storage_when_local_disk_is_gone(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=40, faults="nan_loss@25", state=False)
+    recipe = fake_recipe(tmp_path, iterations=40, faults="nan_loss@25", state=False)
     assert supervise(recipe)[0] == ExitCode.GAVE_UP  # NaN twice after checkpoint-20
     # checkpoint-20 was published; the "new instance" has an empty local disk.
     assert (tmp_path / "persist" / "checkpoint-20").exists()
@@ -303,7 +303,7 @@ def test_foreign_gpu_holder_is_killed_only_when_the_recipe_allows(tmp_path, allo
 
     holder = subprocess.Popen(["sleep", "300"])
     patterns = '["^sleep 300$"]' if allowed else "[]"
-    recipe = write_recipe(tmp_path, iterations=20)
+    recipe = fake_recipe(tmp_path, iterations=20)
     sup = Supervisor(load(recipe, ["gpu.check=true", f"gpu.kill_patterns={patterns}",
                                    "supervisor.backoff_max_s=0.2"]),
                      gpu_reader=HeldGpus(holder), install_signals=False)
@@ -334,7 +334,7 @@ def test_foreign_gpu_holder_is_killed_only_when_the_recipe_allows(tmp_path, allo
 
 def test_spot_notice_stops_training_and_publishes_the_last_checkpoint(tmp_path):
     notice = tmp_path / "reclaim"
-    recipe = write_recipe(tmp_path, iterations=3000, supervisor={"spot_notice_file": str(notice)})
+    recipe = fake_recipe(tmp_path, iterations=3000, supervisor={"spot_notice_file": str(notice)})
     p = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     _wait_for_step(tmp_path / "out", 25)
@@ -358,7 +358,7 @@ def test_sd_notify_ready_status_watchdog_and_stopping_reach_systemd(tmp_path):
     sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_DGRAM)
     sock.bind(sock_path)
     sock.settimeout(0.5)
-    recipe = write_recipe(tmp_path, iterations=30)
+    recipe = fake_recipe(tmp_path, iterations=30)
     env = {**os.environ, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "200000"}
     p = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -386,7 +386,7 @@ def test_sd_notify_ready_status_watchdog_and_stopping_reach_systemd(tmp_path):
 
 
 def test_a_completed_run_is_not_launched_again(tmp_path):
-    recipe = write_recipe(tmp_path, iterations=20)
+    recipe = fake_recipe(tmp_path, iterations=20)
     assert supervise(recipe)[0] == ExitCode.OK
     code, sup = supervise(recipe)
     assert code == ExitCode.OK and sup.state.value == "completed"
