@@ -30,6 +30,7 @@ from orchestrator import classify, gpu, launcher, plan, policy
 from orchestrator.journal import Journal, journal_path
 from orchestrator.metrics import Metrics
 from orchestrator.notify import Heartbeat, Notifier
+from orchestrator.published import PublishLock
 from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
 from orchestrator.render.command import render_command
 from orchestrator.report import goodput_of
@@ -77,6 +78,7 @@ class Supervisor:
         self.checkpoints: RunCheckpoints | None = None
         self.sidecar: Sidecar | None = None
         self.lock: RunLock | None = None
+        self.publish_lock: PublishLock | None = None
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda s, _f: self.request_stop(f"signal {signal.Signals(s).name}"))
@@ -140,6 +142,8 @@ class Supervisor:
         lock.acquire()  # raises when another supervisor runs this directory
         self.lock = lock
         self.journal = Journal(journal_path(self.state_dir), echo=self.echo)
+        self.publish_lock = PublishLock(r.run.persistent_dir, r.run.name, self.hash, self.out)
+        self.publish_lock.acquire()  # raises when another supervisor publishes into this run's directory
         if placement.note:
             self.journal.event("drift", placement.note, keys=list(placement.drifted_keys))
         failed = [c for c in plan.preflight(r, self.gpus.snapshot()) if not c.ok and c.fatal]
@@ -399,6 +403,8 @@ class Supervisor:
             if self.lock:
                 self.journal.close()
                 self.lock.release()
+                if self.publish_lock:
+                    self.publish_lock.release()
             return
         if self.state is State.COMPLETED and self.attempt:
             self._scan_checkpoints(self.clock())
@@ -416,4 +422,5 @@ class Supervisor:
         self.metrics.close()
         self.journal.close()
         self.lock.release()
+        self.publish_lock.release()
 

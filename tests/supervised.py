@@ -9,7 +9,8 @@ import textwrap
 from pathlib import Path
 
 from orchestrator.journal import Journal, journal_path
-from orchestrator.recipe import load
+from orchestrator.published import publish_dir
+from orchestrator.recipe import load, recipe_hash
 from orchestrator.rundir import state_dir
 
 FAKE = str(Path(__file__).with_name("fake_trainer.py"))
@@ -76,6 +77,12 @@ def write_recipe(tmp: Path, *, backend: str = "megatron", iterations: int = 40, 
     path = tmp / name
     path.write_text(text)
     return path
+
+
+def published_at(recipe_path: Path, *overrides: str) -> Path:
+    """Where the run of this recipe publishes: <persistent_dir>/<run.name>-<hash8>."""
+    r = load(recipe_path, list(overrides))
+    return publish_dir(r.run.persistent_dir, r.run.name, recipe_hash(r))
 
 
 def supervise(recipe_path: Path, *overrides: str):

@@ -17,7 +17,7 @@ import pytest
 import chaos
 from chaos import C, SAVE, Config, plan_soak, soak
 from orchestrator.types import CrashClass, ExitCode
-from supervised import attempts, supervise, write_recipe
+from supervised import attempts, published_at, supervise, write_recipe
 
 FULL = os.environ.get("ORCH_CHAOS_FULL") == "1"
 
@@ -166,7 +166,7 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
 def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path):
     recipe = write_recipe(tmp_path, iterations=30)
     final = tmp_path / "out" / "checkpoint-30" / "latest_checkpointed_iteration.txt"
-    lock = tmp_path / "persist" / ".orchestrator-sync.lock"
+    lock = published_at(recipe) / ".orchestrator-sync.lock"
     held = []
 
     def hold_like_an_orphaned_rsync():  # the lock for 2 s from the final save on
@@ -185,7 +185,7 @@ def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path):
     code, _ = supervise(recipe)
     t.join(60)
     assert code == ExitCode.OK and held
-    assert (tmp_path / "persist" / "checkpoint-30").is_dir(), "the final checkpoint was published"
+    assert (published_at(recipe) / "checkpoint-30").is_dir(), "the final checkpoint was published"
 
 
 def _try_flock(fd: int) -> bool:
