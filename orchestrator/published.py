@@ -158,9 +158,9 @@ class PublishLock:
             os.close(fd)
 
     def _taken(self, holder: dict) -> str:
-        return (f"{self.dir}: run {holder.get('run', self.run_name)} (recipe {str(holder.get('recipe_hash', '?'))[:8]}, "
-                f"output_dir {holder.get('output_dir', '?')}) is published here by a supervisor, pid "
-                f"{holder.get('pid', '?')}; publishing from {self.output_dir} too would overwrite its checkpoints. "
+        return (f"another supervisor (pid {holder.get('pid', '?')}) publishes run {holder.get('run', self.run_name)} "
+                f"(recipe {str(holder.get('recipe_hash', '?'))[:8]}, output_dir {holder.get('output_dir', '?')}) "
+                f"into {self.dir}; publishing from {self.output_dir} too would overwrite its checkpoints. "
                 f"Stop that supervisor first, or give this run another run.name or run.persistent_dir")
 
     def release(self) -> None:
