@@ -255,7 +255,10 @@ def sync(recipe: Path, overrides: tuple[str, ...], once: bool, as_json: bool) ->
     r = load_recipe(recipe, overrides)
     if not r.run.persistent_dir:
         fail("run.persistent_dir is not set in the recipe: nothing to sync to")
-    result = sync_recipe(r)
+    try:
+        result = sync_recipe(r)
+    except RecipeError as e:  # another supervisor publishes into this run's directory
+        fail(str(e))
     if as_json:
         click.echo(json.dumps(result, default=str))
     else:

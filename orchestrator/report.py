@@ -14,9 +14,8 @@ from pathlib import Path
 
 from orchestrator import goodput, progress
 from orchestrator.goodput import goodput_of
-from orchestrator.checkpoints import CKPT_RE
-from orchestrator.manifest import read_manifest
 from orchestrator.journal import Journal, journal_path
+from orchestrator.published import publish_dir, published_steps as own_published_steps
 from orchestrator.recipe import Recipe
 from orchestrator.rundir import state_dir
 from orchestrator.types import Attempt, Progress
@@ -88,7 +87,9 @@ def history_data(r: Recipe, j: Journal) -> dict:
     kv = j.get_all()
     return {"run": r.run.name, "recipe_hash": kv.get("recipe_hash"), "state": kv.get("state"),
             "output_dir": str(output_dir_of(r, kv)), "attempts": [attempt_row(a) for a in j.attempts()],
-            "goodput": goodput_dict(goodput_of(j))}
+            "goodput": goodput_dict(goodput_of(j)),
+            "sync": sync_state(r, ckpts := j.checkpoints(), time.time(), synced_steps(ckpts, published_steps(r, kv)),
+                               kv.get("recipe_hash"))}
 
 
 def history_table(data: dict) -> str:
@@ -100,6 +101,10 @@ def history_table(data: dict) -> str:
     g = data["goodput"]
     lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
     rows.append(f"goodput {g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f" (lost: {lost})" if lost else ""))
+    if (s := data.get("sync", {})).get("enabled"):
+        last = s["last_synced_step"]
+        rows.append(f"sync: last synced step {last if last is not None else '-'} in {s['destination']}"
+                    + (f", {s['lag_steps']} steps behind" if s["lag_steps"] else ""))
     return "\n".join(rows)
 
 
@@ -137,27 +142,30 @@ def step_seconds(current: list[Progress], attempts: list[Attempt]) -> float | No
     return (rate(attempts[-1:]) or rate(attempts[:-1])) if attempts else None
 
 
-def published_steps(persistent_dir: str | None, recipe_hash: str | None) -> set[int]:
-    """This recipe's checkpoints at the sync destination (sync renames a dir into place only when
-    complete). A fallback for journal rows whose synced_at was never recorded."""
-    if not persistent_dir:
-        return set()
-    try:
-        dirs = [(d, m) for d in Path(persistent_dir).iterdir() if (m := CKPT_RE.fullmatch(d.name))]
-    except OSError:
-        return set()
-    return {int(m.group(1)) for d, m in dirs if (read_manifest(d) or {}).get("recipe_hash") == recipe_hash}
+def published_steps(r: Recipe, kv: dict) -> set[int] | None:
+    """Steps of this run's own published copies (its publish dir, its recipe hash; sync renames a copy into
+    place only when complete). None when persistent_dir is unreadable, or the run has none configured."""
+    h = kv.get("recipe_hash")
+    if not r.run.persistent_dir or not h:
+        return None
+    return own_published_steps(r.run.persistent_dir, r.run.name, h)
 
 
-def sync_state(r: Recipe, ckpts: list[dict], now: float, published: set[int]) -> dict:
+def synced_steps(ckpts: list[dict], published: set[int] | None) -> set[int]:
+    """What is synced now: the run's own copies in persistent_dir; the journal's record only where that
+    directory cannot be read (another run's copy of the same step never counts)."""
+    return published if published is not None else {c["step"] for c in ckpts if c["ok"] and c["synced_at"]}
+
+
+def sync_state(r: Recipe, ckpts: list[dict], now: float, synced: set[int], recipe_hash: str | None) -> dict:
     if not r.run.persistent_dir:
         return {"enabled": False}
     good = [c for c in ckpts if c["ok"]]
-    synced = {c["step"] for c in good if c["synced_at"]} | published
     last = max((c["step"] for c in good if c["step"] in synced), default=None)
     behind = [c for c in good if c["step"] not in synced and (last is None or c["step"] > last)]
     newest = good[-1]["step"] if good else None
-    return {"enabled": True, "destination": r.run.persistent_dir, "last_synced_step": last,
+    dest = publish_dir(r.run.persistent_dir, r.run.name, recipe_hash) if recipe_hash else r.run.persistent_dir
+    return {"enabled": True, "destination": str(dest), "last_synced_step": last,
             "lag_steps": (newest - (last or 0)) if behind else 0,
             "lag_s": round(max(0.0, now - behind[0]["verified_at"]), 1) if behind and behind[0]["verified_at"] else 0.0}
 
@@ -173,8 +181,8 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
     ckpts = j.checkpoints()
     good = [c for c in ckpts if c["ok"]]
     newest = good[-1] if good else None
-    published = published_steps(r.run.persistent_dir, kv.get("recipe_hash"))
-    sync = sync_state(r, ckpts, now, published)
+    synced = synced_steps(ckpts, published_steps(r, kv))
+    sync = sync_state(r, ckpts, now, synced, kv.get("recipe_hash"))
     g = goodput_of(j, now)
     step = kv.get("step") if kv.get("step") is not None else (records[-1].step if records else None)
     max_steps = r.optim.iterations or next((p.max_steps for p in reversed(records) if p.max_steps), None)
@@ -187,7 +195,7 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
         "last_crash": {"n": last_crash.n, "class": last_crash.cls.value, "evidence": list(last_crash.evidence),
                        "step": last_crash.end_step, "ended_at": last_crash.ended_at} if last_crash else None,
         "last_checkpoint": {"step": newest["step"], "age_s": now - newest["verified_at"],
-                            "synced": newest["synced_at"] is not None or newest["step"] in published,
+                            "synced": newest["step"] in synced,
                             "verified": True, "path": newest["path"], "loss": newest["loss"]} if newest else None,
         "invalid_checkpoints": [c["step"] for c in ckpts if not c["ok"]],
         "goodput": round(g.ratio, 4),
@@ -334,7 +342,7 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
     log = StepLog(out / "logging.jsonl")
     st = status_data(r, j, now=now, steps=log)
     records, attempts = log.records(), j.attempts()
-    published = published_steps(r.run.persistent_dir, kv.get("recipe_hash"))
+    published = published_steps(r, kv)
     return {
         "run": r.run.name, "recipe_hash": kv.get("recipe_hash"), "backend": kv.get("backend") or r.run.backend,
         "model": r.model.path, "state": kv.get("state"), "exit_reason": kv.get("exit_reason"),
@@ -347,7 +355,7 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
         "restarts": [{"n": a.n, "step": a.start_step or 0, "resumed_from": a.resumed_from}
                      for a in attempts if a.n > 1],
         "checkpoints": [{"step": c["step"], "ok": bool(c["ok"]), "synced": c["synced_at"] is not None
-                         or c["step"] in published, "problems": c["problems"]}
+                         or c["step"] in (published or ()), "problems": c["problems"]}
                         for c in j.checkpoints()],
         "attempts": [attempt_row(a) for a in attempts],
         "goodput": st["goodput_detail"], "sync": st["sync"], "events": j.events(30),

@@ -1,28 +1,44 @@
 """The supervisor's side of persistent sync: start the sync thread, report its rounds into the
 journal and metrics (from the main loop, so the thread never touches them), restore from
-persistent storage when the local disk has nothing to resume from (the new-spot-instance case)."""
+persistent storage when the local disk has nothing to resume from (the new-spot-instance case).
+Only the run's own copies count (published.published: its publish dir, its recipe hash)."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from orchestrator import checkpoints, manifest, sync
-from orchestrator.recipe import Recipe, recipe_hash
+from orchestrator import checkpoints, sync
+from orchestrator.published import PublishLock, publish_dir, published
+from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
+from orchestrator.rundir import place
 from orchestrator.types import CheckpointInfo
 
 
 def _sync_args(r: Recipe, h: str) -> dict:
-    return dict(output_dir=r.run.output_dir, persistent_dir=r.run.persistent_dir, backend=r.run.backend,
-                recipe_hash=h, keep=r.checkpoint.keep_persistent, include_mcore=r.checkpoint.keep_optimizer,
-                include_merged=r.checkpoint.merge_lora)
+    return dict(output_dir=r.run.output_dir, persistent_dir=publish_dir(r.run.persistent_dir, r.run.name, h),
+                backend=r.run.backend, recipe_hash=h, keep=r.checkpoint.keep_persistent,
+                include_mcore=r.checkpoint.keep_optimizer, include_merged=r.checkpoint.merge_lora)
 
 
 def sync_recipe(r: Recipe) -> dict:
-    """`orchestrator sync RECIPE --once`."""
-    res = sync.sync_once(**_sync_args(r, recipe_hash(r)))
+    """`orchestrator sync RECIPE --once`: one round from the run's output dir (the drifted one when the
+    recipe changed, as `run` would place it) into its own publish dir. RecipeError (exit 2) when a
+    supervisor of another output dir publishes there; with its own run's supervisor alive it runs,
+    serialised with the supervisor's rounds by the sync lock (both publish the same checkpoints)."""
+    h = recipe_hash(r)
+    try:
+        out = place(r.run.output_dir, h, semantic_view(r), "resume" if r.run.on_drift == "resume" else "fresh")
+    except RecipeError:
+        out = None
+    if out is not None and out.output_dir != Path(r.run.output_dir):
+        r = r.model_copy(update={"run": r.run.model_copy(update={"output_dir": str(out.output_dir)})})
+    PublishLock(r.run.persistent_dir, r.run.name, h, r.run.output_dir).check_for_sync()
+    args = _sync_args(r, h)
+    res = sync.sync_once(**args)
     return {"copied": len(res.copied), "names": list(res.copied), "bytes": res.bytes_copied,
             "skipped": list(res.skipped), "problems": list(res.problems), "deleted": list(res.deleted),
-            "newest_published": res.newest_published, "synced": res.synced}
+            "newest_published": res.newest_published, "synced": res.synced,
+            "output_dir": str(r.run.output_dir), "destination": str(args["persistent_dir"])}
 
 
 class Sidecar:
@@ -60,14 +76,20 @@ class Sidecar:
             self.journal.event("sync_problem", msg)
         if res is not None:
             self.metrics.sync_done(res.bytes_copied, res.lag_s or 0.0)
-        # What is published now, from persistent_dir itself: a round's result can be superseded
+        # What is published now, from the run's own copies: a round's result can be superseded
         # before this runs, the directory cannot.
-        published = {int(m.group(1)) for d in Path(self.recipe.run.persistent_dir).glob("checkpoint-*")
-                     if (m := checkpoints.CKPT_RE.fullmatch(d.name))}
+        try:
+            mine = {c.step: c for c in self._published() if not c.merged}
+        except OSError:
+            return
         for c in self.journal.checkpoints():
-            if c["ok"] and c["synced_at"] is None and c["step"] in published:
+            if c["ok"] and c["synced_at"] is None and c["step"] in mine:
                 self.journal.mark_synced(c["step"])
-                self.journal.event("synced", f"published checkpoint-{c['step']} to {self.recipe.run.persistent_dir}")
+                self.journal.event("synced", f"published checkpoint-{c['step']} to {mine[c['step']].dir}")
+
+    def _published(self) -> list:
+        r = self.recipe.run
+        return published(r.persistent_dir, r.name, self.hash)
 
     def stop(self, final_sync: bool) -> None:
         if self.thread:
@@ -75,26 +97,27 @@ class Sidecar:
             self.report()
 
     def restore_newest(self) -> CheckpointInfo | None:
-        """Newest published checkpoint of this recipe, copied back and verified; None if none."""
+        """Newest published checkpoint of this run (its publish dir, else the flat layout of an earlier
+        release; manifest naming this recipe hash), copied back and verified; None if none."""
         if not self.enabled:
             return None
-        persistent = Path(self.recipe.run.persistent_dir)
-        steps = []
-        for d in persistent.glob("checkpoint-*"):
-            m = checkpoints.CKPT_RE.fullmatch(d.name)
-            published = manifest.read_manifest(d) if m else None
-            if published and published.get("recipe_hash") == self.hash:
-                steps.append(int(m.group(1)))
-        for step in sorted(steps, reverse=True):
+        try:
+            copies = [c for c in self._published() if not c.merged]
+        except OSError as e:
+            self.journal.event("restore_failed", f"cannot read {self.recipe.run.persistent_dir}: {e.strerror or e}")
+            return None
+        for c in sorted(copies, key=lambda c: c.step, reverse=True):
             try:
-                path = sync.restore(persistent, self.recipe.run.output_dir, step,
+                path = sync.restore(c.dir, self.recipe.run.output_dir, c.step, recipe_hash=self.hash,
                                     include_merged=self.recipe.checkpoint.merge_lora)
             except sync.SyncError as e:
                 self.journal.event("restore_failed", str(e))
                 continue
             v = checkpoints.verify(path, backend=self.recipe.run.backend)
             if v.ok:
-                self.journal.event("restored", f"restored {path.name} from {persistent}", at=time.time())
+                layout = ", flat layout of an earlier release" if c.flat else ""
+                self.journal.event("restored", f"restored {path.name} from {c.path} (recipe {self.hash[:8]}{layout})",
+                                   at=time.time(), source=str(c.path), step=c.step, flat=c.flat)
                 return v.to_info()
             self.journal.event("restore_failed", f"{path}: " + "; ".join(v.problems))
         return None

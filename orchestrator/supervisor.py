@@ -37,6 +37,7 @@ from orchestrator.journal import Journal, journal_path
 from orchestrator.launcher import LaunchError
 from orchestrator.metrics import Metrics
 from orchestrator.notify import Heartbeat, Notifier
+from orchestrator.published import PublishLock
 from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
 from orchestrator.render.command import render_command
 from orchestrator.goodput import goodput_of
@@ -79,6 +80,7 @@ class Supervisor:
         self.checkpoints: RunCheckpoints | None = None
         self.sidecar: Sidecar | None = None
         self.lock: RunLock | None = None
+        self.publish_lock: PublishLock | None = None
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda s, _f: self.request_stop(f"signal {signal.Signals(s).name}"))
@@ -149,6 +151,8 @@ class Supervisor:
         lock.acquire()  # raises when another supervisor runs this directory
         self.lock = lock
         self.journal = Journal(journal_path(self.state_dir), echo=self.echo, clock=self.host.now)
+        self.publish_lock = PublishLock(r.run.persistent_dir, r.run.name, self.hash, self.out)
+        self.publish_lock.acquire()  # raises when another supervisor publishes into this run's directory
         if placement.note:
             self.journal.event("drift", placement.note, keys=list(placement.drifted_keys))
         failed = plan.stoppers(plan.preflight(r, self.host.gpu_snapshot()))
@@ -445,6 +449,9 @@ class Supervisor:
             if self.lock:
                 self.journal.close()
                 self.lock.release()
+                if self.publish_lock:
+                    self.publish_lock.release()
+                self.publish_lock = None
                 self.lock = None
             return
         if self.state is State.COMPLETED and self.attempt and self.attempt.row.ended_at is None:
@@ -463,4 +470,5 @@ class Supervisor:
         self.metrics.close()
         self.journal.close()
         self.lock.release()
-        self.sidecar = self.lock = None
+        self.publish_lock.release()
+        self.sidecar = self.lock = self.publish_lock = None

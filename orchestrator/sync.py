@@ -1,5 +1,9 @@
 """Publish verified checkpoints to persistent storage, restore them, and a sidecar thread that keeps syncing.
 
+`persistent` here is the directory one run publishes into (published.publish_dir: its name and recipe hash
+under run.persistent_dir). A copy there whose manifest names another recipe hash is never overwritten,
+pruned or restored: it is reported and left alone.
+
 Publication is atomic: copy into `<persistent>/.partial-<name>/`, fsync, verify the copy against the manifest
 (sizes + sha256; copytree hashes and flushes each file behind rsync's writes, so both cost little beyond the
 copy), then rename to `<persistent>/<name>`. Only `.partial-*` names are ever incomplete. A staging
@@ -22,6 +26,7 @@ from pathlib import Path
 from orchestrator import checkpoints as ck
 from orchestrator import manifest as mf
 from orchestrator.copytree import copy_tree, same_file
+from orchestrator.published import copies_in, owned, step_of
 
 log = logging.getLogger(__name__)
 LOCK = ".orchestrator-sync.lock"
@@ -171,12 +176,17 @@ def _open_lock(persistent: Path, wait_s: float = 0.0) -> int:
 
 
 def _published(persistent: Path) -> dict[str, dict | None]:
-    return {e.name: mf.read_manifest(e) for e in persistent.iterdir()
-            if (ck.CKPT_RE.fullmatch(e.name) or ck.MERGED_RE.fullmatch(e.name)) and e.is_dir()}
+    os.listdir(persistent)  # OSError when missing or unreadable (copies_in calls a missing dir empty)
+    return copies_in(persistent)
 
 
-def _step(name: str) -> int:
-    return int(name.split("-")[1])
+_step = step_of
+
+
+def foreign_problem(path: Path, manifest: Mapping | None, recipe_hash: str | None) -> str:
+    whose = f"recipe {str(manifest.get('recipe_hash'))[:8]}" if manifest else "no manifest"
+    return (f"{path} is not this run's copy ({whose}; this run is recipe {str(recipe_hash)[:8]}): "
+            f"left as it is, never overwritten or pruned; move it away to publish this run's {path.name}")
 
 
 def _losses(pub: Mapping[str, Mapping | None]) -> dict[int, float | None]:
@@ -214,7 +224,9 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
         problems += [f"local {p}" for i in infos if i.complete and not i.ok for p in i.problems]
         skipped += [f"{Path(i.path).name}: still being written" for i in infos if not i.complete]
         local = {i.step: i for i in infos if i.ok}
-        pub = _published(persistent)
+        everything = _published(persistent)
+        pub = {n: m for n, m in everything.items() if owned(m, recipe_hash)}
+        foreign = {n: m for n, m in everything.items() if n not in pub}
         wanted = retain({**_losses(pub), **{s: i.loss for s, i in local.items()}}, keep)
         todo = sorted((s for s in local if s in wanted), reverse=True)  # newest first: the most valuable
         skipped += [f"checkpoint-{s}: outside retention (keep={keep})" for s in local if s not in wanted]
@@ -233,6 +245,13 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                     m = filter_manifest(_local_manifest(src, s, recipe_hash, local[s].loss), opts["excludes"])
                 except OSError as e:  # e.g. rotated away while hashing
                     problems.append(f"cannot hash {src}: {e}")
+                    continue
+                if not owned(m, recipe_hash):  # e.g. saved before an on_drift = "resume" changed the recipe
+                    skipped.append(f"{src.name}: its manifest names recipe {str(m.get('recipe_hash'))[:8]}, "
+                                   f"not this run's; not published")
+                    continue
+                if src.name in foreign:
+                    problems.append(foreign_problem(persistent / src.name, foreign[src.name], recipe_hash))
                     continue
                 if same_content(m, pub.get(src.name)):
                     continue
@@ -290,8 +309,9 @@ def _report(r: SyncResult, on_problem: Callable[[str], None] | None, t0: float) 
 
 
 def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, step: int | None = None,
-            include_merged: bool = False) -> Path:
-    """Copy published checkpoint-`step` (newest when None) into output_dir, verified, atomically."""
+            include_merged: bool = False, recipe_hash: str | None = None) -> Path:
+    """Copy published checkpoint-`step` (newest when None) into output_dir, verified, atomically.
+    With `recipe_hash`, only copies whose manifest names it (others are another run's)."""
     persistent, out = Path(persistent_dir), Path(output_dir)
     try:
         pub = _published(persistent)
@@ -311,6 +331,9 @@ def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, st
         m, final, staging = pub[name], out / name, out / f"{PARTIAL}{name}"
         if m is None:
             raise SyncError(f"{persistent / name} has no {mf.MANIFEST}: it cannot be verified; not restoring it")
+        if recipe_hash is not None and not owned(m, recipe_hash):
+            raise SyncError(f"{persistent / name} is another run's copy (recipe {str(m.get('recipe_hash'))[:8]}, "
+                            f"this run is {recipe_hash[:8]}): not restoring it")
         if final.exists():
             if same_content(mf.read_manifest(final), m) and not mf.manifest_matches(final, m):
                 continue

@@ -79,6 +79,7 @@ from orchestrator import checkpoints as ck  # noqa: E402
 from orchestrator import manifest as mf  # noqa: E402
 from orchestrator.journal import Journal, journal_path  # noqa: E402
 from orchestrator.launcher import RUN_MARKER  # noqa: E402
+from orchestrator.published import publish_dir  # noqa: E402
 from orchestrator.recipe import load, recipe_hash  # noqa: E402
 from orchestrator.rundir import run_id, state_dir  # noqa: E402
 from orchestrator.types import Attempt, CrashClass as C, ExitCode  # noqa: E402
@@ -604,9 +605,9 @@ class Run:
                                   supervisor=sup, extra_env={"FAKE_HANG_MODE": plan.hang_mode,
                                                              "FAKE_STEP_S": str(cfg.step_s)})
         r = load(self.recipe)
-        self.out, self.persist = Path(r.run.output_dir), Path(r.run.persistent_dir)
-        self.state_file = self.dir / "fake-state.json"
         self.hash = recipe_hash(r)
+        self.out, self.persist = Path(r.run.output_dir), publish_dir(r.run.persistent_dir, r.run.name, self.hash)
+        self.state_file = self.dir / "fake-state.json"
         self.expect = ck.LoraExpect(r.lora.rank, r.lora.alpha, tuple(r.lora.target_modules))
         self.env = dict(os.environ)
         if wrapper is not None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from conftest import merge, write_recipe
 from orchestrator.journal import Journal, journal_path
-from orchestrator.recipe import load
+from orchestrator.published import publish_dir
+from orchestrator.recipe import load, recipe_hash
 from orchestrator.rundir import state_dir
 
 FAKE = str(Path(__file__).with_name("fake_trainer.py"))
@@ -57,6 +58,12 @@ def wait_for(cond, timeout: float, step: float = 0.01):
         if v or time.monotonic() > deadline:
             return v
         time.sleep(step)
+
+
+def published_at(recipe_path: Path, *overrides: str) -> Path:
+    """Where the run of this recipe publishes: <persistent_dir>/<run.name>-<hash8>."""
+    r = load(recipe_path, list(overrides))
+    return publish_dir(r.run.persistent_dir, r.run.name, recipe_hash(r))
 
 
 def supervise(recipe_path: Path, *overrides: str):

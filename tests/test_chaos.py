@@ -16,7 +16,7 @@ import pytest
 import chaos
 from chaos import C, SAVE, Config, plan_soak, soak
 from orchestrator.types import CrashClass, ExitCode
-from supervised import attempts, fake_recipe, supervise, wait_for
+from supervised import attempts, fake_recipe, published_at, supervise, wait_for
 
 FULL = os.environ.get("ORCH_CHAOS_FULL") == "1"
 
@@ -170,7 +170,7 @@ def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path, monkeypatch):
 
     recipe = fake_recipe(tmp_path, iterations=30)
     final = tmp_path / "out" / "checkpoint-30" / "latest_checkpointed_iteration.txt"
-    lock = tmp_path / "persist" / ".orchestrator-sync.lock"
+    lock = published_at(recipe) / ".orchestrator-sync.lock"
     held, final_round, lock_held_at_final_round = threading.Event(), threading.Event(), []
     real_open_lock = sync._open_lock
 
@@ -204,7 +204,7 @@ def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path, monkeypatch):
     t.join(60)
     assert code == ExitCode.OK and held.is_set()
     assert lock_held_at_final_round == [True], "the final sync met the held lock"
-    assert (tmp_path / "persist" / "checkpoint-30").is_dir(), "the final checkpoint was published"
+    assert (published_at(recipe) / "checkpoint-30").is_dir(), "the final checkpoint was published"
 
 
 def _try_flock(fd: int) -> bool:

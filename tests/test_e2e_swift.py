@@ -22,6 +22,7 @@ from orchestrator import launcher
 from orchestrator.gpu import NullReader
 from orchestrator.host import LocalHost
 from orchestrator.demo import inject_kill
+from orchestrator.published import publish_dir
 from orchestrator.recipe import load
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import CrashClass, ExitCode, State
@@ -86,7 +87,8 @@ def test_sigkill_mid_run_resumes_with_the_same_loss(tiny, tmp_path):
     assert first_step == 11
     assert first_loss == pytest.approx(reference[11], rel=1e-6)
     assert max(losses(run)) == 30 and (run / "out" / "checkpoint-30" / "adapter_model.safetensors").exists()
-    assert (run / "persist" / "checkpoint-30").is_dir(), "the final checkpoint was published"
+    assert (publish_dir(run / "persist", sup.recipe.run.name, sup.hash) / "checkpoint-30").is_dir(), \
+        "the final checkpoint was published"
 
 
 def test_port_taken_at_rendezvous_with_two_ranks_relaunches_on_a_new_port(tiny, tmp_path, monkeypatch):

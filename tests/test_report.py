@@ -19,6 +19,7 @@ from rich.console import Console
 
 from orchestrator import report
 from orchestrator.journal import Journal, journal_path
+from orchestrator.published import publish_dir
 from orchestrator.recipe import load
 from orchestrator.rundir import state_dir
 from orchestrator.types import Attempt, CrashClass, Progress
@@ -91,7 +92,8 @@ def test_status_data_keeps_old_fields_and_adds_the_live_ones(opened):
     assert c["class"] == "nccl_error" and c["n"] == 3 and c["step"] == 32 and "nccl" in c["evidence"][0].lower()
     ck = d["last_checkpoint"]
     assert ck["step"] == 40 and ck["verified"] and ck["synced"] and ck["age_s"] >= 0
-    assert d["sync"] == {"enabled": True, "destination": r.run.persistent_dir, "last_synced_step": 40,
+    assert d["sync"] == {"enabled": True, "destination": str(publish_dir(r.run.persistent_dir, "t", d["recipe_hash"])),
+                         "last_synced_step": 40,
                          "lag_steps": 0, "lag_s": 0.0}
     loss = d["loss"]
     assert loss["last_step"] == 40 and loss["trend"] == "down" and loss["min"] <= loss["last"]

@@ -17,7 +17,7 @@ import pytest
 from orchestrator.launcher import RUN_MARKER
 from orchestrator.rundir import run_id
 from orchestrator.types import CrashClass, ExitCode
-from supervised import attempts, cli, events, fake_recipe, journal, logged_steps, supervise
+from supervised import attempts, cli, events, fake_recipe, journal, logged_steps, published_at, supervise
 
 RECOVERED = [c for c in CrashClass if c not in (CrashClass.OTHER,)]
 
@@ -116,7 +116,7 @@ def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path):
     runs = attempts(out)
     assert runs[1].resumed_from == str(out / "checkpoint-10")
     assert any("checkpoint-20" in e["message"] for e in events(out, "checkpoint_invalid"))
-    assert not (tmp_path / "persist" / "checkpoint-20").exists()
+    assert (published_at(recipe) / "checkpoint-10").is_dir() and not (published_at(recipe) / "checkpoint-20").exists()
 
 
 def test_resume_divergence_stops_the_run(tmp_path):
@@ -269,7 +269,7 @@ def test_resumes_from_persistent_storage_when_local_disk_is_gone(tmp_path):
     recipe = fake_recipe(tmp_path, iterations=40, faults="nan_loss@25", state=False)
     assert supervise(recipe)[0] == ExitCode.GAVE_UP  # NaN twice after checkpoint-20
     # checkpoint-20 was published; the "new instance" has an empty local disk.
-    assert (tmp_path / "persist" / "checkpoint-20").exists()
+    assert (published_at(recipe) / "checkpoint-20").exists()
     shutil.rmtree(tmp_path / "out")
     code, _ = supervise(recipe, 'env.vars.FAKE_FAULTS=""')
     assert code == ExitCode.OK
@@ -344,7 +344,7 @@ def test_spot_notice_stops_training_and_publishes_the_last_checkpoint(tmp_path):
     stop = events(tmp_path / "out", "stop")
     assert stop and "spot interruption" in stop[0]["message"] and "terminate" in stop[0]["message"]
     newest = os.readlink(tmp_path / "out" / "last-checkpoint")  # the newest complete one
-    assert (tmp_path / "persist" / newest).is_dir(), "the final sync published the newest checkpoint"
+    assert (published_at(recipe) / newest).is_dir(), "the final sync published the newest checkpoint"
     j = journal(tmp_path / "out")
     assert all(c["synced_at"] for c in j.checkpoints()), "the journal knows what reached persistent storage"
     j.close()

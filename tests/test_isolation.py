@@ -1,0 +1,240 @@
+"""Runs sharing one persistent_dir never overwrite, prune or restore each other's published checkpoints
+(issue 10): the publish dir per run name and recipe hash, the manifest hash on every path, the publisher
+lock, the flat layout of earlier releases, and what status/history say about sync."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_checkpoints import make_swift
+
+from orchestrator import manifest as mf
+from orchestrator import published as pb
+from orchestrator import sync
+from orchestrator.recipe import RecipeError, load, recipe_hash
+from orchestrator.types import ExitCode
+from supervised import attempts, cli, events, fake_recipe, journal, logged_steps, published_at, supervise, wait_for
+
+LR_B = "optim.lr=2e-4"
+
+
+def snapshot(d: Path) -> dict[str, tuple[int, int, int]]:
+    """Every file under d: (inode, mtime_ns, size); any rewrite, replace or removal changes it."""
+    out = {}
+    for dp, _, fns in os.walk(d):
+        for fn in fns:
+            st = os.stat(os.path.join(dp, fn))
+            out[os.path.relpath(os.path.join(dp, fn), d)] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def assert_copies_are_the_runs(pub: Path, out: Path, h: str) -> list[str]:
+    """Every published checkpoint in pub is byte-identical to its manifest, which names hash h and matches
+    the run's own local checkpoint of that name. Returns the names."""
+    names = sorted(n for n in pb.copies_in(pub))
+    assert names, f"nothing published in {pub}"
+    for n in names:
+        m = mf.read_manifest(pub / n)
+        assert m["recipe_hash"] == h, f"{pub / n} holds recipe {m['recipe_hash'][:8]}, not {h[:8]}"
+        assert mf.manifest_matches(pub / n, m) == [], f"{pub / n} differs from its manifest"
+        local = mf.read_manifest(out / n)
+        assert local is None or sync.same_content(local, m), f"{pub / n} is not {out / n}"
+    return names
+
+
+# ------------------------------------------------------------------------------------------ pure parts
+
+@pytest.mark.parametrize("manifest,h,mine", [
+    ({"recipe_hash": "aa", "files": []}, "aa", True),
+    ({"recipe_hash": "bb", "files": []}, "aa", False),
+    ({"files": []}, "aa", False),
+    (None, "aa", False),
+])
+def test_owned_table(manifest, h, mine):
+    assert pb.owned(manifest, h) is mine
+
+
+def test_publish_dir_is_run_name_and_hash8(tmp_path):
+    assert pb.publish_dir(tmp_path, "demo", "0123456789abcdef") == tmp_path / "demo-01234567"
+
+
+# ------------------------------------------------------------------------------------------ sync.py paths
+
+def test_sync_never_overwrites_or_prunes_a_copy_of_another_hash(tmp_path):
+    out, pers = tmp_path / "out", tmp_path / "pers"
+    for s in (10, 20, 30, 40):
+        make_swift(out, s)
+    foreign = tmp_path / "other"
+    make_swift(foreign, 10, loss=0.1)
+    make_swift(foreign, 5)
+    assert sync.sync_once(foreign, pers, "swift", "other-hash").ok
+    before = snapshot(pers / "checkpoint-10") | {"5": snapshot(pers / "checkpoint-5")}
+    r = sync.sync_once(out, pers, "swift", "mine", keep=5)
+    assert [p for p in r.problems if "not this run's copy" in p] == [
+        sync.foreign_problem(pers / "checkpoint-10", mf.read_manifest(pers / "checkpoint-10"), "mine")]
+    assert set(r.copied) == {"checkpoint-20", "checkpoint-30", "checkpoint-40"} and not r.synced
+    r = sync.sync_once(out, pers, "swift", "mine", keep=1)  # prunes its own copies down to one
+    assert set(r.deleted) == {"checkpoint-20", "checkpoint-30"}, "another run's old steps are not this run's to prune"
+    assert snapshot(pers / "checkpoint-10") | {"5": snapshot(pers / "checkpoint-5")} == before
+    with pytest.raises(sync.SyncError, match="another run's copy"):
+        sync.restore(pers, tmp_path / "fresh", 10, recipe_hash="mine")
+
+
+def test_local_checkpoint_of_another_hash_is_not_published(tmp_path):
+    out, pers = tmp_path / "out", tmp_path / "pers"
+    mf.write_manifest(make_swift(out, 10), 10, "old")  # saved before run.on_drift = "resume" changed the recipe
+    make_swift(out, 20)
+    r = sync.sync_once(out, pers, "swift", "new")
+    assert r.copied == ("checkpoint-20",) and any("checkpoint-10: its manifest names recipe old" in s for s in r.skipped)
+
+
+# ------------------------------------------------------------------------------------------ the publisher lock
+
+def test_second_publisher_of_the_same_place_is_refused_naming_the_first(tmp_path):
+    a = pb.PublishLock(tmp_path / "p", "t", "h" * 64, tmp_path / "out-a")
+    a.acquire()
+    try:
+        b = pb.PublishLock(tmp_path / "p", "t", "h" * 64, tmp_path / "out-b")
+        with pytest.raises(RecipeError, match=rf"pid {os.getpid()}.*out-a"):
+            b.acquire()
+        with pytest.raises(RecipeError, match=rf"pid {os.getpid()}\) publishes run t "):
+            b.check_for_sync()  # a `sync --once` from another output dir
+        pb.PublishLock(tmp_path / "p", "t", "h" * 64, tmp_path / "out-a").check_for_sync()  # its own: runs
+        pb.PublishLock(tmp_path / "p", "t", "g" * 64, tmp_path / "out-b").acquire()  # another hash: another place
+    finally:
+        a.release()
+    b.acquire()  # free once the first is gone
+    b.release()
+
+
+def test_supervisor_publishing_into_a_taken_place_exits_2_before_launching(tmp_path):
+    recipe = fake_recipe(tmp_path, iterations=4000, extra_env={"FAKE_STEP_S": "0.02"}, state=False)
+    a = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for((tmp_path / "out" / "logging.jsonl").exists, 60), "run A never launched"
+        other = tmp_path / "out-elsewhere"
+        r = cli("run", str(recipe), "--set", f"run.output_dir={json.dumps(str(other))}")
+        assert r.returncode == ExitCode.BAD_INPUT, r.stderr
+        assert f"pid {a.pid}) publishes run t " in r.stderr and str(tmp_path / "out") in r.stderr
+        assert attempts(other) == [], "nothing launched"
+        s = cli("sync", str(recipe), "--once", "--set", f"run.output_dir={json.dumps(str(other))}")
+        assert s.returncode == ExitCode.BAD_INPUT and f"pid {a.pid}" in s.stderr
+        s = cli("sync", str(recipe), "--once", "--json")  # run A's own output dir: allowed beside its supervisor
+        assert s.returncode in (0, 1) and json.loads(s.stdout)["destination"] == str(published_at(recipe))
+    finally:
+        a.terminate()
+        a.communicate(timeout=60)
+    assert a.returncode == 0
+
+
+# ------------------------------------------------------------------------------------------ two runs, one persistent_dir
+
+def test_two_runs_one_after_the_other_keep_their_own_copies(tmp_path):
+    recipe = fake_recipe(tmp_path, iterations=40, state=False)
+    assert supervise(recipe)[0] == ExitCode.OK
+    pub_a, h_a = published_at(recipe), recipe_hash(load(recipe))
+    names_a = assert_copies_are_the_runs(pub_a, tmp_path / "out", h_a)
+    before = snapshot(pub_a)
+    code, sup_b = supervise(recipe, LR_B)  # drift: a fresh output dir, its own publish dir
+    assert code == ExitCode.OK
+    pub_b = published_at(recipe, LR_B)
+    assert pub_b != pub_a and sup_b.out != tmp_path / "out"
+    assert assert_copies_are_the_runs(pub_b, sup_b.out, sup_b.hash) == names_a
+    assert snapshot(pub_a) == before, "run B touched run A's copies"
+    r = cli("sync", str(recipe), "--once", "--json")  # A's sync after B: copies nothing, touches nothing of B's
+    assert r.returncode == 0 and json.loads(r.stdout)["copied"] == 0, r.stderr
+    b_before = snapshot(pub_b)
+    r = cli("sync", str(recipe), "--once", "--set", LR_B, "--json")  # B's own sync finds B's drifted output dir
+    assert r.returncode == 0 and json.loads(r.stdout)["output_dir"] == str(sup_b.out), r.stdout + r.stderr
+    assert snapshot(pub_b) == b_before and snapshot(pub_a) == before
+
+
+def test_two_runs_at_the_same_time_keep_their_own_copies(tmp_path):
+    recipe = fake_recipe(tmp_path, iterations=200, extra_env={"FAKE_STEP_S": "0.05"}, state=False)
+    run = [sys.executable, "-m", "orchestrator", "run", str(recipe)]
+    a = subprocess.Popen(run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: (published_at(recipe) / "checkpoint-10").is_dir() or a.poll() is not None, 60)
+    b = subprocess.Popen([*run, "--set", LR_B], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err_a = a.communicate(timeout=120)
+    _, err_b = b.communicate(timeout=120)
+    assert a.returncode == 0 and b.returncode == 0, err_a + err_b
+    h_b = recipe_hash(load(recipe, [LR_B]))
+    out_b = tmp_path / f"out-{h_b[:8]}"
+    assert logged_steps(tmp_path / "out")[-1] == 200 and logged_steps(out_b)[-1] == 200
+    assert attempts(out_b)[0].started_at < attempts(tmp_path / "out")[-1].ended_at, "the two trainings overlapped"
+    names_a = assert_copies_are_the_runs(published_at(recipe), tmp_path / "out", recipe_hash(load(recipe)))
+    names_b = assert_copies_are_the_runs(published_at(recipe, LR_B), out_b, h_b)
+    assert "checkpoint-200" in names_a and "checkpoint-200" in names_b
+    assert not pb.copies_in(tmp_path / "persist"), "nothing in the flat layout"
+
+
+# ------------------------------------------------------------------------------------------ restore, upgrade
+
+def test_restore_takes_only_this_hash_and_finds_the_flat_layout_of_an_earlier_release(tmp_path):
+    recipe = fake_recipe(tmp_path, iterations=40, state=False)
+    assert supervise(recipe)[0] == ExitCode.OK
+    pers, pub = tmp_path / "persist", published_at(recipe)
+    for n in pb.copies_in(pub):  # what today's release wrote: <persistent_dir>/checkpoint-N
+        os.rename(pub / n, pers / n)
+    shutil.rmtree(pub)
+    newer = pers / "checkpoint-50"  # another recipe's newer copy, same flat directory
+    shutil.copytree(pers / "checkpoint-40", newer)
+    m = mf.read_manifest(newer)
+    mf.write_json_atomic(newer / mf.MANIFEST, dict(m, recipe_hash="f" * 64, step=50))
+    shutil.rmtree(tmp_path / "out")  # a new machine: empty local disk
+    code, sup = supervise(recipe, "optim.iterations=40")
+    assert code == ExitCode.OK
+    assert attempts(tmp_path / "out")[0].resumed_from == str(tmp_path / "out" / "checkpoint-40")
+    restored = events(tmp_path / "out", "restored")
+    assert len(restored) == 1 and "flat layout" in restored[0]["message"]
+    assert restored[0]["data"]["source"] == str(pers / "checkpoint-40") and restored[0]["data"]["flat"]
+    assert not (tmp_path / "out" / "checkpoint-50").exists(), "another recipe's copy was restored"
+    assert mf.read_manifest(newer)["recipe_hash"] == "f" * 64, "left alone"
+
+
+def test_restore_prefers_the_publish_dir_and_says_which_copy_it_took(tmp_path):
+    recipe = fake_recipe(tmp_path, iterations=30, state=False)
+    assert supervise(recipe)[0] == ExitCode.OK
+    assert supervise(recipe, LR_B)[0] == ExitCode.OK  # another hash publishes the same steps
+    shutil.rmtree(tmp_path / "out")
+    assert supervise(recipe)[0] == ExitCode.OK
+    restored = events(tmp_path / "out", "restored")
+    assert restored[0]["data"]["source"] == str(published_at(recipe) / "checkpoint-30")
+    assert recipe_hash(load(recipe))[:8] in restored[0]["message"] and not restored[0]["data"]["flat"]
+
+
+# ------------------------------------------------------------------------------------------ status / history
+
+def test_status_and_history_report_only_the_runs_own_copies(tmp_path):
+    from orchestrator import report
+
+    recipe = fake_recipe(tmp_path, iterations=30, state=False)
+    assert supervise(recipe)[0] == ExitCode.OK
+    code, sup_b = supervise(recipe, LR_B)
+    assert code == ExitCode.OK
+    r = load(recipe)
+    j = journal(tmp_path / "out")
+    try:
+        s = report.status_data(r, j)
+        assert s["sync"]["destination"] == str(published_at(recipe)) and s["sync"]["last_synced_step"] == 30
+        assert s["last_checkpoint"]["synced"]
+        shutil.rmtree(published_at(recipe))  # A's copies are gone; B's checkpoint-30 must not stand in for them
+        s = report.status_data(r, j)
+        assert s["sync"]["last_synced_step"] is None and s["sync"]["lag_steps"] == 30
+        assert not s["last_checkpoint"]["synced"]
+        h = report.history_data(r, j)
+        assert h["sync"]["last_synced_step"] is None
+        assert f"sync: last synced step - in {published_at(recipe)}, 30 steps behind" in report.history_table(h)
+    finally:
+        j.close()
+    hb = cli("history", str(recipe), "--set", LR_B)
+    assert hb.returncode == 0 and f"last synced step 30 in {published_at(recipe, LR_B)}" in hb.stdout
