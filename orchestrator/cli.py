@@ -70,10 +70,10 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     click.echo(shlex.join(p["argv"]))
     click.echo(f"# recipe hash {p['recipe_hash']}")
     m = p["memory"]
-    cap = f" of {m['capacity_gib']:.0f} GiB" if m["capacity_gib"] else ""
-    click.echo(f"# memory per GPU ~{m['total_gib']:.1f} GiB{cap}: weights {m['base_weights_gib']:.1f}, "
-               f"LoRA {m['lora_gib']:.2f}, activations {m['activations_gib']:.1f}, optimizer on GPU "
-               f"{m['optimizer_gpu_gib']:.2f} (on CPU {m['optimizer_cpu_gib']:.2f}), runtime {m['overhead_gib']:.0f}")
+    cap = f" of {m['capacity_gib']:.1f} GiB, margin {m['margin_gib']:.1f} GiB" if m["capacity_gib"] else ""
+    click.echo(f"# memory per GPU ~{m['total_gib']:.1f} GiB{cap}:")
+    for t in m["terms"]:
+        click.echo(f"#   {t['name']:<22} {t['gib']:7.2f} GiB  {t['detail']}")
     for note in m["notes"]:
         click.echo(f"#   note: {note}")
     click.echo("# pre-flight checks")

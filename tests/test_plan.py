@@ -310,8 +310,10 @@ def test_preflight_names(write_recipe):
 # --- memory --------------------------------------------------------------------------------------
 
 def test_memory_from_config_and_index(write_recipe, tmp_path):
+    # No attention shape in the config: the weights are sized from the index's total.
     d = make_model(tmp_path / "big", {**MODEL_CONFIG, "hidden_size": 4096, "num_hidden_layers": 60,
-                                      "vocab_size": 150_000, "moe_intermediate_size": 1024})
+                                      "vocab_size": 150_000, "moe_intermediate_size": 1024,
+                                      "num_attention_heads": None})
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 40 * GIB}}))
     r = R.load(write_recipe(model={"path": "big"}))
     with_index = plan.memory(r, gpus(8, 80))
@@ -320,6 +322,15 @@ def test_memory_from_config_and_index(write_recipe, tmp_path):
     assert with_index.capacity_gib == 80
     assert with_index.base_weights_gib != without.base_weights_gib
     assert with_index.base_weights_gib > 0 and without.base_weights_gib > 0
+
+
+def test_memory_counts_structured_config_not_index(write_recipe, tmp_path):
+    # The index also counts weights megatron does not build (MTP layers unless --mtp_num_layers).
+    d = make_model(tmp_path / "big", {**MODEL_CONFIG, "hidden_size": 4096, "num_hidden_layers": 60})
+    r = R.load(write_recipe(model={"path": "big"}))
+    without = plan.memory(r, gpus(8, 80))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 400 * GIB}}))
+    assert plan.memory(r, gpus(8, 80)).base_weights_gib == without.base_weights_gib
 
 
 def test_memory_unknown_model(write_recipe):

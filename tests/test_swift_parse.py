@@ -1,0 +1,118 @@
+"""Every rendered command parsed by ms-swift 4.6.0 itself, the way `megatron sft` / `swift sft` parse it.
+
+tests/swift_parse_probe.py runs in a subprocess (its import stubs stay out of this process) and calls
+swift.utils.parse_args(MegatronSftArguments | SftArguments, argv): no argv may be left over, and the
+classes' __post_init__ checks run (what the probe stubs, and why, is in its docstring).
+Local paths are real: a model directory with the model's config.json, a dataset file, checkpoint
+directories with what ms-swift reads from them (args.json, adapter_config.json).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from orchestrator import estimate, tiny
+from orchestrator import recipe as R
+from orchestrator.render.command import render_command
+from orchestrator.types import Resume
+
+pytest.importorskip("swift", reason="ms-swift is not installed (scripts/setup.sh --test)")
+# Found, not imported: mcore_bridge imports TransformerEngine at import time, which only the probe stubs.
+_MISSING = [m for m in ("megatron.core", "mcore_bridge") if importlib.util.find_spec(m.split(".")[0]) is None]
+if _MISSING:  # pragma: no cover - the test extra installs both
+    pytest.skip(f"{' and '.join(_MISSING)} cannot be imported: pip install 'megatron-core>=0.16,<0.20' "
+                "'mcore-bridge>=1.5.0' (scripts/setup.sh --test)", allow_module_level=True)
+
+PROBE = Path(__file__).with_name("swift_parse_probe.py")
+LARGE = {"qwen3.5-397b-a17b-lora-ep8.toml": "qwen3.5-397b-a17b", "qwen3-235b-a22b-lora-ep8.toml": "qwen3-235b-a22b"}
+
+
+def probe(commands) -> list[dict]:
+    payload = json.dumps([{"argv": list(c.argv), "env": c.env} for c in commands])
+    out = subprocess.run([sys.executable, str(PROBE)], input=payload, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def checkpoint(d: Path, adapter_target: list[str]) -> Path:
+    """What a saved checkpoint holds that ms-swift reads at resume: args.json, adapter_config.json."""
+    d.mkdir(parents=True)
+    (d / "args.json").write_text(json.dumps({"model": None}))
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 32, "lora_alpha": 64,
+                                                       "target_modules": adapter_target}))
+    return d
+
+
+def large_recipe(name: str, tmp: Path) -> R.Recipe:
+    model = tmp / Path(R.load(ROOT / "recipes" / name).model.path).name  # ms-swift matches templates by name
+    model.mkdir()
+    cfg = dict(estimate.KNOWN_CONFIGS[LARGE[name]])
+    cfg.pop("total_params")
+    cfg["architectures"] = ["Qwen3_5MoeForConditionalGeneration" if "3.5" in name else "Qwen3MoeForCausalLM"]
+    if "vision_config" in cfg:  # Qwen3.5 is multimodal: text keys live under text_config
+        vision = cfg.pop("vision_config")
+        cfg = {"architectures": cfg["architectures"], "model_type": cfg["model_type"], "text_config": cfg,
+               "vision_config": vision, "tie_word_embeddings": False}
+    (model / "config.json").write_text(json.dumps(cfg))
+    data = tmp / "train.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    return R.load(ROOT / "recipes" / name, [f"model.path={str(model)!r}", f"data.dataset=[{str(data)!r}]",
+                                            f"run.output_dir={str(tmp / 'out')!r}", "run.persistent_dir=''"])
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_megatron_recipes_parse(name, tmp_path):
+    r = large_recipe(name, tmp_path)
+    ckpt = checkpoint(tmp_path / "out" / "checkpoint-100", ["all-linear"])
+    commands = [render_command(r, None, 29500), render_command(r, Resume(str(ckpt), 100), 29500),
+                render_command(r, Resume(str(ckpt), 100, weights_only=True), 29500)]
+    fresh, resume, weights = probe(commands)
+    for res in (fresh, resume, weights):
+        assert "error" not in res, res.get("trace")
+        assert res["remaining"] == []
+    assert fresh["parsed"]["tuner_type"] == "lora" and fresh["parsed"]["finetune"] is True
+    assert resume["parsed"]["mcore_adapter"] == str(ckpt) and resume["parsed"]["finetune"] is False
+    assert weights["parsed"]["adapters"] == [str(ckpt)] and weights["parsed"]["finetune"] is False
+    p = fresh["parsed"]
+    assert p["world_size"] == r.parallel.nproc_per_node and p["expert_model_parallel_size"] == r.parallel.expert
+    assert p["data_parallel_size"] == r.parallel.data_parallel
+    assert p["accumulate_allreduce_grads_in_fp32"] is True  # what estimate.py counts: an fp32 grad buffer
+
+
+def test_megatron_parser_rejects_what_ms_swift_rejects(tmp_path):
+    """The probe is not a rubber stamp: a flag ms-swift does not know is left over, a bad layout raises.
+
+    (Not `--use_megatron`: argparse takes it as the unambiguous prefix of --use_megatron_fsdp.)"""
+    r = large_recipe("qwen3-235b-a22b-lora-ep8.toml", tmp_path)
+    good = render_command(r, None, 29500)
+    unknown = type(good)(argv=good.argv + ("--save_interval", "100"), env=good.env)  # the 3.x name
+    bad_batch = type(good)(argv=good.argv + ("--global_batch_size", "3"), env=good.env)
+    left, batch = probe([unknown, bad_batch])
+    assert left.get("remaining") == ["--save_interval", "100"]
+    assert "global batch size" in batch["error"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return tiny.build(tmp_path_factory.mktemp("tiny"))
+
+
+def test_demo_recipe_parses(tiny_model, tmp_path):
+    r = R.load(ROOT / "orchestrator" / "data" / "demo-cpu.toml",
+               [f"model.path={tiny_model['model']!r}", f"data.dataset=[{tiny_model['data']!r}]",
+                f"run.output_dir={str(tmp_path / 'out')!r}"])
+    ckpt = checkpoint(tmp_path / "out" / "checkpoint-4", ["all-linear"])
+    commands = [render_command(r, None, 29500), render_command(r, Resume(str(ckpt), 4), 29500),
+                render_command(r, Resume(str(ckpt), 4, weights_only=True), 29500)]
+    fresh, resume, weights = probe(commands)
+    for res in (fresh, resume, weights):
+        assert "error" not in res, res.get("trace")
+        assert res["remaining"] == []
+    assert resume["parsed"]["resume_from_checkpoint"] == str(ckpt)
+    assert weights["parsed"]["resume_only_model"] is True
