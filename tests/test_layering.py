@@ -21,7 +21,8 @@ LAYERS = {
     "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate",
                   "retention"},
     "world": {"host", "launcher", "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
-              "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe"},
+              "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe",
+              "published"},
     "loop": {"supervisor"},
     "operations": {"cli", "report", "html_report", "demo", "service", "tiny", "__main__"},
 }
