@@ -131,10 +131,10 @@ class CheckpointSection(_Section):
         data = dict(data)
         old = data.pop("merge_lora")
         if "merge" in data:
-            raise ValueError("checkpoint.merge_lora is the deprecated name of checkpoint.merge and both are set; "
+            raise ValueError("merge_lora is the deprecated name of checkpoint.merge and both are set; "
                              "keep only checkpoint.merge (merge_lora = true is \"every_save\", false is \"never\")")
         if not isinstance(old, bool):
-            raise ValueError(f"checkpoint.merge_lora (deprecated) must be true or false, got {old!r}; "
+            raise ValueError(f"merge_lora (deprecated) must be true or false, got {old!r}; "
                              "use checkpoint.merge = \"every_save\" | \"final\" | \"never\"")
         data["merge"] = "every_save" if old else "never"
         return data
