@@ -111,8 +111,9 @@ def free_bytes(path: str) -> int:
 
 def held_bytes(directory: str) -> int:
     """Bytes on disk in `directory`'s checkpoint-* entries (partial copies included): space retention
-    reuses, so a restarted run is not refused for the checkpoints it already holds."""
-    total = 0
+    reuses, so a restarted run is not refused for the checkpoints it already holds. A file hard-linked into
+    several copies (published copies share unchanged files) counts once."""
+    seen: dict[tuple[int, int], int] = {}
     try:
         entries = [e for e in os.scandir(directory) if "checkpoint-" in e.name]
     except OSError:
@@ -121,10 +122,11 @@ def held_bytes(directory: str) -> int:
         for root, _dirs, files in os.walk(e.path) if e.is_dir(follow_symlinks=False) else [("", [], [e.path])]:
             for f in files:
                 try:
-                    total += os.lstat(os.path.join(root, f)).st_blocks * 512
+                    st = os.lstat(os.path.join(root, f))
                 except OSError:
-                    pass
-    return total
+                    continue
+                seen[st.st_dev, st.st_ino] = st.st_blocks * 512
+    return sum(seen.values())
 
 
 def probe_write(directory: str, nbytes: int = PROBE_BYTES) -> tuple[float | None, str]:

@@ -175,6 +175,8 @@ def test_held_bytes_counts_checkpoints_only(tmp_path):
     (tmp_path / "checkpoint-10-merged").mkdir()
     (tmp_path / "checkpoint-10-merged" / "m.safetensors").write_bytes(os.urandom(MIB))
     (tmp_path / "logging.jsonl").write_bytes(os.urandom(MIB))
+    (tmp_path / "checkpoint-20").mkdir()  # a published copy hard-links unchanged files: counted once
+    os.link(tmp_path / "checkpoint-10" / "a.safetensors", tmp_path / "checkpoint-20" / "a.safetensors")
     assert 4 * MIB <= plan.held_bytes(str(tmp_path)) < 5 * MIB
     assert plan.held_bytes(str(tmp_path / "absent")) == 0
 
