@@ -78,7 +78,7 @@ def _print_storage(s: dict) -> None:
     if s["final_merged_bytes"]:
         click.echo(f"#   merged model after the last step (checkpoint.merge = \"final\"): {gib(s['final_merged_bytes'])}")
     click.echo(f"#   output_dir needs {gib(s['local_bytes'])}: keep_local {s['keep_local']} ({s['keep_local_source']}) "
-               "+ 1 being written")
+               "+ 1 being written" + ("; then the merged export" if s["final_merged_bytes"] else ""))
     if s["persistent_bytes"] is not None:
         click.echo(f"#   persistent_dir needs {gib(s['persistent_bytes'])}; publishing {gib(s['published_per_save_bytes'])} "
                    f"every {s['save_interval_s'] / 60:.0f} min needs {s['publish_bytes_per_s'] / 2**20:,.0f} MiB/s "
