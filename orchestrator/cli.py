@@ -54,11 +54,12 @@ def main() -> None:
 @RECIPE
 @SET
 @JSON
-def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Validate RECIPE; print the exact command, the recipe hash, a memory estimate and pre-flight checks."""
+@click.option("--no-probe", is_flag=True, help="Skip the write-speed probe of output_dir and persistent_dir.")
+def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool, no_probe: bool) -> None:
+    """Validate RECIPE; print the exact command, the recipe hash, memory and storage budgets and pre-flight checks."""
     from orchestrator.plan import plan as make_plan
 
-    p = make_plan(load_recipe(recipe, overrides))
+    p = make_plan(load_recipe(recipe, overrides), probe=not no_probe)
     code = 0 if p["would_run"] else int(ExitCode.BAD_INPUT)
     if as_json:
         click.echo(json.dumps(p, indent=2))
@@ -76,6 +77,7 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
         click.echo(f"#   {t['name']:<22} {t['gib']:7.2f} GiB  {t['detail']}")
     for note in m["notes"]:
         click.echo(f"#   note: {note}")
+    _print_storage(p["storage"])
     click.echo("# pre-flight checks")
     for c in p["checks"]:
         click.echo(f"  [{'ok' if c['ok'] else 'NOT OK'}] {c['name']}: {c['detail']}")
@@ -83,6 +85,27 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     click.echo(f"run would stop at pre-flight: {', '.join(failed)} failed (fix, then plan again)" if failed
                else f"run would start: `orchestrator run {shlex.quote(str(recipe))}`")
     sys.exit(code)
+
+
+def _print_storage(s: dict) -> None:
+    from orchestrator.storage import gib
+
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in s["per_save_bytes"].items())
+    click.echo(f"# storage per save {gib(sum(s['per_save_bytes'].values()))}: {parts}")
+    if s["final_merged_bytes"]:
+        click.echo(f"#   merged model after the last step (checkpoint.merge = \"final\"): {gib(s['final_merged_bytes'])}")
+    click.echo(f"#   output_dir needs {gib(s['local_bytes'])}: keep_local {s['keep_local']} ({s['keep_local_source']}) "
+               "+ 1 being written" + ("; then the merged export" if s["final_merged_bytes"] else ""))
+    if s["persistent_bytes"] is not None:
+        click.echo(f"#   persistent_dir needs {gib(s['persistent_bytes'])}; publishing {gib(s['published_per_save_bytes'])} "
+                   f"every {s['save_interval_s'] / 60:.0f} min needs {s['publish_bytes_per_s'] / 2**20:,.0f} MiB/s "
+                   f"(step {s['step_time_s']:g} s: {s['step_time_source']})")
+    for name, d in s["disks"].items():
+        speed = f"writes {d['write_bytes_per_s'] / 2**20:,.0f} MiB/s, {d['seconds_per_save']:,.0f} s per save" \
+            if d["write_bytes_per_s"] else d["probe"]
+        click.echo(f"#   {name} {d['path']}: {gib(d['free_bytes'])} free; {speed}")
+    for note in s["notes"]:
+        click.echo(f"#   note: {note}")
 
 
 @main.command()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from orchestrator import gpu, launcher
-from orchestrator.host_probe import first_free_port, free_gib, port_free  # noqa: F401 (first_free_port: for the loop)
+from orchestrator.host_probe import free_gib, port_free
 from orchestrator.types import Command, ExitStatus, GpuSnapshot
 
 

@@ -10,9 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrator import estimate, gpu, launcher
-# port_free/first_free_port/free_gib are re-exported for callers that still reach them through plan
-from orchestrator.host_probe import exists, first_free_port, free_gib, port_free  # noqa: F401
+from orchestrator import estimate, gpu, launcher, storage
+from orchestrator.host_probe import exists, first_free_port, free_bytes, held_bytes, mount_point, probe_write
 from orchestrator.recipe import Recipe, expert_count, read_model_config, recipe_hash
 from orchestrator.render.command import render_command
 from orchestrator.types import Check, GpuSnapshot
@@ -42,11 +41,70 @@ def check_data(r: Recipe) -> Check:
     return Check("dataset", True, detail)
 
 
-def check_disk(name: str, path: str | None, need_gib: float) -> Check:
-    if path is None:
-        return Check(f"disk:{name}", True, "not configured", fatal=False)
-    free = free_gib(path)
-    return Check(f"disk:{name}", free >= need_gib, f"{path}: {free:.1f} GiB free (want >= {need_gib:g} GiB)")
+def model_config(r: Recipe) -> tuple[dict | None, int | None]:
+    """The model's config.json (else a known published config) and the index's total_size in bytes."""
+    total_bytes = None
+    try:
+        index = json.loads((Path(r.model.path) / "model.safetensors.index.json").read_text())
+        total_bytes = int(index["metadata"]["total_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return read_model_config(r) or estimate.known_config(r.model.path), total_bytes
+
+
+def storage_budget(r: Recipe) -> tuple[storage.StorageBudget, dict[str, dict]]:
+    """The budget (keep_local defaulting to what output_dir's disk can hold) and each disk's free and held bytes."""
+    disks = {name: {"path": path, "free_bytes": free_bytes(path), "held_bytes": held_bytes(path)}
+             for name, path in (("output_dir", r.run.output_dir), ("persistent_dir", r.run.persistent_dir)) if path}
+    out = disks["output_dir"]
+    cfg, total_bytes = model_config(r)
+    return storage.budget(r, cfg, total_bytes, out["free_bytes"] + out["held_bytes"]), disks
+
+
+def check_storage(r: Recipe, b: storage.StorageBudget, disks: dict[str, dict]) -> list[Check]:
+    """Fatal when a disk cannot hold what retention keeps there (the trainer would meet ENOSPC mid-run)."""
+    c, checks = r.checkpoint, []
+    fixes = []
+    if c.merge == "every_save":
+        fixes.append("set checkpoint.merge = \"final\" (one merged copy after training, not one per save) or \"never\"")
+    elif c.merge == "final":
+        fixes.append(f"set checkpoint.merge = \"never\" (no {storage.gib(b.final_merged_bytes)} export at the end)")
+    if "mcore_shards" in b.per_save_bytes or "optimizer" in b.per_save_bytes:
+        fixes.append("set checkpoint.keep_optimizer = false (weights-only resume)")
+    keep_local = [f"lower checkpoint.keep_local (now {b.keep_local})"] if b.keep_local > 1 else []
+    fixes_for = {"output_dir": [*keep_local, *fixes, "raise checkpoint.save_steps (fewer copies waiting to be published)"],
+                 "persistent_dir": [f"lower checkpoint.keep_persistent (now {c.keep_persistent})", *fixes]}
+    need = {"output_dir": b.local_bytes, "persistent_dir": b.persistent_bytes}
+    per_save = sum(b.per_save_bytes.values())
+    for name in ("output_dir", "persistent_dir"):
+        d = disks.get(name)
+        if d is None:
+            checks.append(Check(f"disk:{name}", True, "not configured", fatal=False))
+            continue
+        avail = d["free_bytes"] + d["held_bytes"]
+        held = f" + {storage.gib(d['held_bytes'])} in this run's checkpoints" if d["held_bytes"] else ""
+        what = (f"{b.keep_local} kept + 1 being written, {storage.gib(per_save)} per save" if name == "output_dir"
+                else f"{c.keep_persistent} newest + the best-loss copy")
+        if b.final_merged_bytes:
+            what += f"; the final merged export {storage.gib(b.final_merged_bytes)}"
+        detail = (f"{d['path']} (disk {mount_point(d['path'])}): retention needs {storage.gib(need[name])} "
+                  f"({what}), {storage.gib(d['free_bytes'])} free{held}")
+        ok = need[name] <= avail
+        checks.append(Check(f"disk:{name}", ok, detail if ok else f"{detail}: does not fit; "
+                            f"{'; '.join(fixes_for[name])}; or free space"))
+    return checks
+
+
+def check_publish(r: Recipe, b: storage.StorageBudget, write_bytes_per_s: float | None, probe: str) -> Check:
+    """A warning: publishing slower than saves arrive piles unpublished copies up on the local disk."""
+    need, speed = b.publish_bytes_per_s, write_bytes_per_s or 0.0
+    wrote = f"wrote {speed / 2**20:,.0f} MiB/s" if write_bytes_per_s else f"not measured: {probe}"
+    detail = (f"{storage.gib(b.published_per_save_bytes)} per save every {b.save_interval_s / 60:.0f} min "
+              f"({r.checkpoint.save_steps} steps x {b.step_time_s:g} s, {b.step_time_source}) needs "
+              f"{need / 2**20:,.0f} MiB/s; {r.run.persistent_dir} {wrote}")
+    ok = speed >= need
+    return Check("publish_throughput", ok, detail if ok else f"{detail}: raise checkpoint.save_steps, set "
+                 "checkpoint.merge = \"final\" or \"never\", or use faster persistent storage", fatal=False)
 
 
 def check_gpus(r: Recipe, snap: GpuSnapshot) -> Check:
@@ -107,8 +165,7 @@ def check_layout(r: Recipe) -> list[Check]:
 
 
 def preflight(r: Recipe, snap: GpuSnapshot) -> list[Check]:
-    return [check_model(r), check_data(r), check_disk("output_dir", r.run.output_dir, r.supervisor.min_free_gib),
-            check_disk("persistent_dir", r.run.persistent_dir, r.supervisor.min_free_gib), check_gpus(r, snap), check_port(r),
+    return [check_model(r), check_data(r), *check_storage(r, *storage_budget(r)), check_gpus(r, snap), check_port(r),
             *check_layout(r), check_trainer(r)]
 
 
@@ -126,9 +183,26 @@ def memory(r: Recipe, snap: GpuSnapshot) -> estimate.MemoryEstimate:
     return estimate.estimate(r, shape, capacity)
 
 
-def plan(r: Recipe, reader: gpu.GpuReader | None = None) -> dict:
+def storage_section(r: Recipe, probe: bool) -> tuple[dict, list[Check]]:
+    """The budget for `plan`, with each disk's free bytes and, probed, its write speed and seconds per save."""
+    b, disks = storage_budget(r)
+    out, checks = b.as_dict(), []
+    write = {"output_dir": sum(b.per_save_bytes.values()), "persistent_dir": b.published_per_save_bytes}
+    for name, d in disks.items():
+        speed, d["probe"] = probe_write(d["path"]) if probe else (None, "not probed (--no-probe)")
+        d["write_bytes_per_s"] = speed
+        d["seconds_per_save"] = write[name] / speed if speed else None
+    if probe and "persistent_dir" in disks:
+        d = disks["persistent_dir"]
+        checks.append(check_publish(r, b, d["write_bytes_per_s"], d["probe"]))
+    out["disks"] = disks
+    return out, checks
+
+
+def plan(r: Recipe, reader: gpu.GpuReader | None = None, probe: bool = False) -> dict:
     snap = (reader or gpu.reader(r.gpu.check)).snapshot()
-    checks = preflight(r, snap)
+    storage_out, storage_checks = storage_section(r, probe)
+    checks = preflight(r, snap) + storage_checks
     lo, _ = r.supervisor.port_range
     cmd = render_command(r, None, first_free_port(*r.supervisor.port_range) or lo)
     return {
@@ -139,6 +213,7 @@ def plan(r: Recipe, reader: gpu.GpuReader | None = None) -> dict:
         "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail, "fatal": c.fatal} for c in checks],
         "memory": memory(r, snap).as_dict(),
         "would_run": not stoppers(checks),
+        "storage": storage_out,
     }
 
 

@@ -143,12 +143,38 @@ class CheckpointSection(_Section):
     save_steps: int = Field(default=100, gt=0)
     logging_steps: int = Field(default=1, gt=0)
     keep_optimizer: bool = True          # False renders --no_save_optim true: weights-only resume
-    merge_lora: bool = False             # a full merged copy at every save: large for 400B models
+    # The merged full model: "every_save" (--merge_lora true: a merged copy next to every checkpoint,
+    # ~740 GiB for a 397B model in bf16), "final" (train with --merge_lora false, export once after the
+    # last step) or "never". `merge_lora = true/false` is the deprecated spelling of every_save/never.
+    merge: Literal["every_save", "final", "never"] = "never"
+    keep_local: int | None = Field(default=None, gt=0)     # newest K verified local copies; unset: from the storage budget
+    step_time_s: float | None = Field(default=None, gt=0)  # seconds per step for the storage budget; unset: per-model default
     save_on_stop: bool = True            # swift: --enable_jit_checkpoint (a save on SIGTERM); megatron has none
     save_total_limit: int | None = Field(default=None, ge=2)
     keep_persistent: int = Field(default=3, gt=0)  # newest K published copies (plus the best-loss one)
     sync_interval_s: float = Field(default=300, gt=0)
     resume_loss_tolerance: float = Field(default=0.05, ge=0)  # relative; resume divergence check
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_lora_alias(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "merge_lora" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("merge_lora")
+        if "merge" in data:
+            raise ValueError("merge_lora is the deprecated name of checkpoint.merge and both are set; "
+                             "keep only checkpoint.merge (merge_lora = true is \"every_save\", false is \"never\")")
+        if not isinstance(old, bool):
+            raise ValueError(f"merge_lora (deprecated) must be true or false, got {old!r}; "
+                             "use checkpoint.merge = \"every_save\" | \"final\" | \"never\"")
+        data["merge"] = "every_save" if old else "never"
+        return data
+
+    @property
+    def merge_lora(self) -> bool:
+        """The trainer's --merge_lora: a merged copy at every save."""
+        return self.merge == "every_save"
 
 
 class EnvSection(_Section):
@@ -296,9 +322,10 @@ def combination_problems(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
         if m.optimizer_cpu_offload or m.recompute_granularity == "full":
             out.append((("memory", "run.backend"),
                         "recompute/optimizer offload settings apply to run.backend = \"megatron\""))
-        if r.checkpoint.merge_lora:
-            out.append((("checkpoint.merge_lora", "run.backend"), "`swift sft` has no --merge_lora (merge afterwards "
-                        "with `swift export --adapters <ckpt> --merge_lora true`)"))
+        if r.checkpoint.merge == "every_save":
+            out.append((("checkpoint.merge", "run.backend"), "checkpoint.merge = \"every_save\": `swift sft` has no "
+                        "--merge_lora; use checkpoint.merge = \"final\" (`swift export --adapters <ckpt> --merge_lora "
+                        "true` after the last step)"))
     elif r.lora.target_parameters:
         out.append((("lora.target_parameters", "run.backend"),
                     "a `swift sft` option; use lora.target_modules with megatron"))

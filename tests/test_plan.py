@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from conftest import MODEL_CONFIG, RECIPES, make_model
-from orchestrator import plan
+from orchestrator import host_probe, plan
 from orchestrator import recipe as R
 from orchestrator.gpu import NullReader
 from orchestrator.types import GpuInfo, GpuSnapshot
@@ -104,7 +104,7 @@ def test_plan_gpu_check_disabled(write_recipe):
 
 
 def test_plan_uses_first_free_port(write_recipe, listening):
-    if not plan.port_free(listening + 1):
+    if not host_probe.port_free(listening + 1):
         pytest.skip("neighbouring port busy too")
     r = R.load(write_recipe(supervisor={"port_range": [listening, listening + 1]}))
     assert plan.plan(r, FakeReader(gpus(8)))["env"]["MASTER_PORT"] == str(listening + 1)
@@ -207,35 +207,13 @@ def test_check_trainer_default_missing_names_the_fix(write_recipe, monkeypatch, 
 
 # --- ports ---------------------------------------------------------------------------------------
 
-def test_port_busy(listening):
-    assert plan.port_free(listening) is False
-
-
-def test_first_free_port_skips_busy(listening):
-    p = plan.first_free_port(listening, listening + 3)
-    assert p != listening
-    assert p is None or listening < p <= listening + 3
-
-
-def test_first_free_port_none(listening):
-    assert plan.first_free_port(listening, listening) is None
-
-
-def test_first_free_port_avoid():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
-    # `free` was just released: usually free again; avoid makes it skipped regardless
-    assert plan.first_free_port(free, free, avoid={free}) is None
-
-
 def test_check_port_busy(write_recipe, listening):
     c = plan.check_port(R.load(write_recipe(supervisor={"port_range": [listening, listening]})))
     assert c.ok is False and f"{listening}-{listening}" in c.detail and c.name == "rendezvous_port"
 
 
 def test_check_port_skips_busy(write_recipe, listening):
-    if not plan.port_free(listening + 1):
+    if not host_probe.port_free(listening + 1):
         pytest.skip("neighbouring port busy too")
     c = plan.check_port(R.load(write_recipe(supervisor={"port_range": [listening, listening + 1]})))
     assert c.ok is True and c.detail.startswith(f"{listening + 1} free")
@@ -274,21 +252,6 @@ def test_check_data(write_recipe, dataset, val, ok, fragment):
 
 
 # --- disk / layout -------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("path,need,ok,fatal", [
-    (None, 50, True, False),
-    ("/", 0, True, True),
-    ("/definitely/not/here/yet", 0, True, True),   # the nearest existing parent is measured
-    ("/", 1e9, False, True),
-])
-def test_check_disk(path, need, ok, fatal):
-    c = plan.check_disk("output_dir", path, need)
-    assert (c.ok, c.fatal, c.name) == (ok, fatal, "disk:output_dir")
-
-
-def test_free_gib_positive(tmp_path):
-    assert plan.free_gib(str(tmp_path / "a" / "b")) > 0
-
 
 @pytest.mark.parametrize("sections,ep_ok,ep_fatal", [
     ({}, True, True),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -480,6 +481,8 @@ OPERATIONAL = [
     ["checkpoint.save_steps=7"], ["checkpoint.logging_steps=5"], ["checkpoint.keep_persistent=9"],
     ["checkpoint.sync_interval_s=10"], ["checkpoint.save_total_limit=4"], ["checkpoint.merge_lora=true"],
     ["checkpoint.keep_optimizer=false"], ["checkpoint.resume_loss_tolerance=0.2"],
+    ['checkpoint.merge="final"'], ['checkpoint.merge="every_save"'], ["checkpoint.keep_local=1"],
+    ["checkpoint.step_time_s=30"],
     ["run.output_dir=/elsewhere/out"], ["run.persistent_dir=/mnt/p"], ["run.name=renamed"],
     ["run.on_drift=refuse"], ['run.entrypoint=["numactl", "megatron"]'],
     ["supervisor.wait_s=5"], ["supervisor.force_wait_s=5"], ["supervisor.grace_s=1"],
@@ -594,3 +597,46 @@ def test_extra_arg_value_one_problem_not_one_per_union_member(value, line):
     with pytest.raises(RecipeError) as e:
         R.validate(merge(MINIMAL, {"extra_args": {"x": value}}))
     assert str(e.value) == f"<recipe>: {line}"
+
+
+# --- checkpoint.merge and its deprecated spelling merge_lora --------------------------------------
+
+@pytest.mark.parametrize("checkpoint,merge", [
+    ({}, "never"),
+    ({"merge": "final"}, "final"),
+    ({"merge": "every_save"}, "every_save"),
+    ({"merge_lora": True}, "every_save"),   # deprecated alias
+    ({"merge_lora": False}, "never"),
+])
+def test_merge_policy(write_recipe, checkpoint, merge):
+    c = R.load(write_recipe(checkpoint=checkpoint)).checkpoint
+    assert c.merge == merge and c.merge_lora is (merge == "every_save")
+
+
+@pytest.mark.parametrize("checkpoint,overrides,fragment", [
+    ({"merge": "final", "merge_lora": True}, [], "deprecated name of checkpoint.merge and both are set"),
+    ({"merge": "never"}, ["checkpoint.merge_lora=true"], "keep only checkpoint.merge"),
+    ({"merge_lora": "yes"}, [], "merge_lora (deprecated) must be true or false, got 'yes'"),
+    ({"merge": "sometimes"}, [], "checkpoint.merge: Input should be 'every_save', 'final' or 'never'"),
+    ({"keep_local": 0}, [], "checkpoint.keep_local"),
+    ({"step_time_s": -1.0}, [], "checkpoint.step_time_s"),
+])
+def test_merge_and_retention_keys_bad_input(write_recipe, checkpoint, overrides, fragment):
+    with pytest.raises(R.RecipeError, match=re.escape(fragment)):
+        R.load(write_recipe(checkpoint=checkpoint), overrides)
+
+
+@pytest.mark.parametrize("merge,ok", [("every_save", False), ("final", True), ("never", True)])
+def test_swift_backend_merge(write_recipe, merge, ok):
+    path = write_recipe(run={"backend": "swift"}, parallel={"nproc_per_node": 1, "expert": 1},
+                        checkpoint={"merge": merge})
+    if ok:
+        assert R.load(path).checkpoint.merge == merge
+    else:
+        with pytest.raises(R.RecipeError, match='use checkpoint.merge = "final"'):
+            R.load(path)
+
+
+def test_shipped_large_recipes_merge_once_after_training():
+    for name in ("qwen3.5-397b-a17b-lora-ep8.toml", "qwen3-235b-a22b-lora-ep8.toml"):
+        assert R.load(ROOT / "recipes" / name).checkpoint.merge == "final"

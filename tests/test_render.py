@@ -231,7 +231,7 @@ def test_qwen35_recipe(shipped):
     assert opts["optimizer_offload_fraction"] == ["1.0"]
     assert opts["use_precision_aware_optimizer"] == ["true"]
     assert opts["mcore_adapter"] == [RESUME.path] and opts["finetune"] == ["false"]
-    assert opts["merge_lora"] == ["true"] and opts["no_save_optim"] == ["false"]
+    assert opts["merge_lora"] == ["false"] and opts["no_save_optim"] == ["false"]  # merge = "final": exported after training
     assert opts["model_type"] == ["qwen3_5_moe"]
     assert cmd.env["NPROC_PER_NODE"] == "8" and cmd.env["MASTER_PORT"] == "29512"
 

@@ -41,7 +41,7 @@ def arguments(r: Recipe, resume: Resume | None) -> list[str]:
         ("lr", o.lr), ("min_lr", o.min_lr), ("lr_warmup_fraction", o.warmup_fraction), ("seed", o.seed),
         ("output_dir", r.run.output_dir), ("add_version", False), ("check_model", False),
         ("save_steps", c.save_steps), ("logging_steps", c.logging_steps),
-        ("save_safetensors", True), ("merge_lora", c.merge_lora),
+        ("save_safetensors", True), ("merge_lora", c.merge == "every_save"),  # "final": exported after training
         ("no_save_optim", not c.keep_optimizer), ("no_save_rng", not c.keep_optimizer),
         ("save_total_limit", c.save_total_limit), ("ddp_timeout", p.ddp_timeout_s),
     ]
