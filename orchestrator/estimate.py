@@ -34,7 +34,7 @@ ADAM_STATE_BYTES = 12  # fp32 master weights + exp_avg + exp_avg_sq
 _TARGETS = {
     "attn_in": {"linear_qkv", "q_proj", "k_proj", "v_proj"},
     "attn_out": {"linear_proj", "o_proj"},
-    "gdn_in": {"in_proj", "in_proj_qkvz", "in_proj_ba"},
+    "gdn_in": {"in_proj", "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"},
     "gdn_out": {"out_proj"},
     "fc1": {"linear_fc1", "gate_proj", "up_proj"},
     "fc2": {"linear_fc2", "down_proj"},
@@ -240,17 +240,29 @@ def base_weight_params(r: Recipe, s: ModelShape) -> float:
     return experts + layers + embed + s.vision_params
 
 
-def _targets(r: Recipe) -> set[str]:
-    names = set(r.lora.target_modules)
+def target_kinds(target_modules: list[str]) -> set[str]:
+    names = set(target_modules)
     if "all-linear" in names:
         return set(_TARGETS)
     return {kind for kind, aliases in _TARGETS.items() if names & aliases}
 
 
+def _targets(r: Recipe) -> set[str]:
+    return target_kinds(r.lora.target_modules)
+
+
 def lora_params(r: Recipe, s: ModelShape, per_rank: bool = True) -> tuple[float, float]:
     """(dense, expert) LoRA parameter counts with mcore's shapes; per_rank=False: the whole model."""
-    p, rank, kinds = r.parallel, r.lora.rank, _targets(r)
-    tp, ep, etp, pp = (p.tensor, p.expert, p.expert_tensor, p.pipeline) if per_rank else (1, 1, 1, 1)
+    p = r.parallel
+    split = (p.tensor, p.expert, p.expert_tensor, p.pipeline) if per_rank else (1, 1, 1, 1)
+    return lora_param_counts(s, r.lora.rank, r.lora.target_modules, *split)
+
+
+def lora_param_counts(s: ModelShape, rank: int, targets: list[str], tp: int = 1, ep: int = 1, etp: int = 1,
+                      pp: int = 1) -> tuple[float, float]:
+    """(dense, expert) LoRA parameters with mcore's shapes on one rank of a TP x EP x ETP x PP split
+    (all 1: the whole model; storage.py counts checkpoints with it)."""
+    kinds = target_kinds(targets)
 
     def col(i: int, o: int, t: int) -> float:  # column parallel: A whole, B split
         return rank * (i + o / t)

@@ -2,7 +2,8 @@
 bytes retention keeps, and the copy bandwidth publishing needs. Pure (plan.py measures the disks).
 
 Sizes come from the model's config (a HF config.json, or estimate.KNOWN_CONFIGS) and the LoRA shapes:
-- adapter: `adapter_model.safetensors` (PEFT, HF module names: an expert's gate/up/down are 3 matrices),
+- adapter: `adapter_model.safetensors` (PEFT, HF module names: an expert's gate/up/down are 3 matrices,
+  linear_qkv is q/k/v_proj, each with its own copy of A),
   rank x (in + out) parameters per adapted matrix, in the model dtype;
 - mcore_shards (megatron, unless keep_optimizer = false, i.e. --no_save_optim): the torch_dist shards
   hold the LoRA weights in megatron-core's fused layout (linear_fc1 = gate+up, linear_qkv) in the model
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from orchestrator.estimate import shape_from_config
+from orchestrator.estimate import lora_param_counts, shape_from_config, target_kinds
 from orchestrator.recipe import Recipe
 
 GIB = 1024**3
@@ -36,16 +37,6 @@ GENERIC_STEP_TIME_S = 10.0
 # copies are also on persistent storage, else three; fewer when the local disk cannot hold that many.
 KEEP_LOCAL_CAP = {True: 2, False: 3}
 
-# LoRA target names (megatron-core and HF) -> the matrix kinds they adapt.
-_TARGETS = {
-    "qkv": {"linear_qkv", "q_proj", "k_proj", "v_proj", "in_proj", "in_proj_qkvz", "in_proj_ba", "in_proj_qkv",
-            "in_proj_z", "in_proj_a", "in_proj_b"},
-    "proj": {"linear_proj", "o_proj", "out_proj"},
-    "fc1": {"linear_fc1", "gate_proj", "up_proj"},
-    "fc2": {"linear_fc2", "down_proj"},
-}
-
-
 def step_time_default(model_path: str) -> tuple[float, str]:
     name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
     for key, s in DEFAULT_STEP_TIME_S.items():
@@ -54,49 +45,33 @@ def step_time_default(model_path: str) -> tuple[float, str]:
     return GENERIC_STEP_TIME_S, "generic default; set checkpoint.step_time_s for this model"
 
 
-def _i(c: Mapping, *keys: str) -> int:
-    return next((int(c[k]) for k in keys if isinstance(c.get(k), (int, float)) and not isinstance(c.get(k), bool)), 0)
-
-
 def lora_params(cfg: Mapping, rank: int, targets: list[str], layout: str) -> int:
-    """LoRA parameters: rank x (in + out) per adapted matrix, summed over layers.
+    """LoRA parameters of the whole model: rank x (in + out) per adapted matrix, summed over layers.
 
-    layout "hf": the PEFT adapter file (an expert's gate_proj, up_proj, down_proj are 3 matrices);
-    layout "mcore": megatron-core modules (fused linear_fc1 = gate+up, fused linear_qkv).
-    Attention uses the fused shape in both (under 1 % of an all-linear MoE adapter)."""
-    c = cfg.get("text_config") or cfg
-    h, layers = _i(c, "hidden_size"), _i(c, "num_hidden_layers")
-    heads, kv = _i(c, "num_attention_heads"), _i(c, "num_key_value_heads") or _i(c, "num_attention_heads")
-    hd = _i(c, "head_dim") or (h // heads if heads else 0)
-    experts = _i(c, "num_experts", "n_routed_experts", "num_local_experts")
-    moe_inter = _i(c, "moe_intermediate_size") if experts else 0
-    shared = _i(c, "shared_expert_intermediate_size")
-    dense_inter = 0 if experts else _i(c, "intermediate_size")
-    want = set(_TARGETS) if "all-linear" in targets else {k for k, names in _TARGETS.items() if names & set(targets)}
-
-    def mlp(inter: int) -> int:  # one gated MLP (an expert, the shared expert or a dense MLP)
-        if not inter:
-            return 0
-        fc1 = (2 * (h + inter) if layout == "hf" else h + 2 * inter) if "fc1" in want else 0
-        return fc1 + (inter + h if "fc2" in want else 0)
-
-    # Qwen3-Next / Qwen3.5: gated attention (q_proj also yields the output gate); 3 of 4 layers are
-    # Gated DeltaNet (linear attention) when the config says so.
-    gated = bool(c.get("attn_output_gate", "linear_num_value_heads" in c))
-    full_attn = h + hd * (heads * (2 if gated else 1) + 2 * kv), heads * hd + h
-    types = c.get("layer_types")
-    if not isinstance(types, list):
-        every = _i(c, "full_attention_interval") if "linear_num_value_heads" in c else 0
-        types = ["full_attention" if not every or (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
-    kh, vh = _i(c, "linear_num_key_heads"), _i(c, "linear_num_value_heads")
-    kd, vd = _i(c, "linear_key_head_dim"), _i(c, "linear_value_head_dim")
-    linear_attn = h + 2 * kh * kd + 2 * vh * vd + 2 * vh, vh * vd + h   # in_proj (q, k, v, z, b, a), out_proj
-    per_layer_mlp = experts * mlp(moe_inter) + mlp(shared) + mlp(dense_inter)
-    total = 0
-    for t in types[:layers]:
-        qkv, proj = linear_attn if t == "linear_attention" else full_attn
-        total += ("qkv" in want) * qkv + ("proj" in want) * proj + per_layer_mlp
-    return rank * total
+    layout "mcore": megatron-core modules (fused linear_qkv, GDN in_proj, linear_fc1 = gate+up), counted by
+    estimate.lora_param_counts: one shape derivation for the memory estimate and the checkpoint sizes.
+    layout "hf": the PEFT adapter mcore-bridge exports, which splits each fused module into its HF modules
+    and copies its A (rank x hidden) to every part, B split between them: linear_qkv -> q_proj, k_proj,
+    v_proj; GDN in_proj -> in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3.5; in_proj_qkvz, in_proj_ba
+    on Qwen3-Next); linear_fc1 -> gate_proj, up_proj of each expert, the shared expert and dense MLPs."""
+    s = shape_from_config(dict(cfg))
+    if s is None:
+        return 0
+    dense, expert = lora_param_counts(s, rank, targets)
+    if layout == "mcore":
+        return int(dense + expert)
+    c, kinds = cfg.get("text_config") or cfg, target_kinds(targets)
+    gdn_parts = 2 if str(c.get("model_type") or cfg.get("model_type") or "").startswith("qwen3_next") else 4
+    copies = 0  # extra A matrices in the HF layout
+    for kind in s.layer_kinds:
+        mixer, mlp = kind.split("+")
+        if mixer == "attn" and "attn_in" in kinds:
+            copies += 2
+        elif mixer == "gdn" and "gdn_in" in kinds:
+            copies += gdn_parts - 1
+        if "fc1" in kinds:
+            copies += s.experts + bool(s.shared_inter) if mlp == "moe" else bool(s.dense_inter)
+    return int(dense + expert) + rank * s.hidden * copies
 
 
 def total_params(cfg: Mapping, total_bytes: int | None, dtype_bytes: int) -> float:

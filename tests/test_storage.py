@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import MODEL_CONFIG, RECIPES, make_model
+from orchestrator import estimate as E
 from orchestrator import host_probe, plan, storage
 from orchestrator import recipe as R
 from orchestrator.cli import main
@@ -30,21 +31,33 @@ def budget_of(path: Path, *overrides: str, available: int | None = None) -> stor
 
 # --- LoRA shapes ---------------------------------------------------------------------------------
 
-# 397B (known config: 60 layers, hidden 4096, 512 experts of 1024, shared expert 1024, 32 heads + 2 KV of 256):
-#   hf    per layer: experts 512 x (gate 4096+1024 + up 4096+1024 + down 1024+4096) = 7,864,320, shared 15,360,
-#         attention qkv 4096 + 256 x 36 = 13,312 + proj 8192 + 4096 = 12,288 -> 7,905,280 x 60 x rank 32
-#   mcore per layer: experts 512 x (fc1 4096+2048 + fc2 1024+4096) = 5,767,168, shared 11,264, attention 25,600
-# 235B (94 layers, hidden 4096, 128 experts of 1536, 64 heads + 4 KV of 128), rank 16:
-#   hf    per layer: experts 128 x 16,896 = 2,162,688, attention 13,312 + 12,288 -> 2,188,288 x 94 x 16
-#   mcore per layer: experts 128 x 12,800 = 1,638,400, attention 25,600 -> 1,664,000 x 94 x 16
+# 397B (known config: 60 layers, hidden 4096, 512 experts of 1024, shared expert 1024; 45 Gated DeltaNet layers
+# with 16 key heads + 64 value heads of 128, and 15 gated full-attention layers with 32 heads + 2 KV of 256):
+#   mcore per layer: experts 512 x (fc1 4096+2048 + fc2 1024+4096) = 5,767,168, shared 11,264;
+#         GDN in_proj 4096 + 2*16*128 + 2*64*128 + 2*64 = 24,704, out_proj 8192 + 4096 = 12,288;
+#         attention linear_qkv 4096 + 256 x (2*32 + 2*2) = 21,504 (q doubled by the output gate), linear_proj 12,288
+#         -> (60 x 5,778,432 + 45 x 36,992 + 15 x 33,792) x rank 32 = 11,164,078,080
+#   hf    the same, plus one more A (4096 each) for every part a fused module is split into on export:
+#         experts 512 x (gate 4096+1024 + up 4096+1024 + down 1024+4096) = 7,864,320, shared 15,360;
+#         GDN in_proj_qkv/z/b/a 4 x 4096 + 20,608 = 36,992, out_proj 12,288;
+#         attention q/k/v_proj 3 x 4096 + 17,408 = 29,696, o_proj 12,288
+#         -> (60 x 7,879,680 + 45 x 49,280 + 15 x 41,984) x 32 = 15,220,101,120
+# 235B (94 layers, hidden 4096, 128 experts of 1536, 64 heads + 4 KV of 128, no gate), rank 16:
+#   hf    per layer: experts 128 x 16,896 = 2,162,688, attention 3 x 4096 + 9,216 = 21,504 + 12,288
+#         -> 2,196,480 x 94 x 16
+#   mcore per layer: experts 128 x 12,800 = 1,638,400, attention 13,312 + 12,288 -> 1,664,000 x 94 x 16
 @pytest.mark.parametrize("model,rank,targets,layout,params", [
-    ("qwen3.5-397b-a17b", 32, ["all-linear"], "hf", 15_178_137_600),
-    ("qwen3.5-397b-a17b", 32, ["all-linear"], "mcore", 11_143_741_440),
-    ("qwen3-235b-a22b", 16, ["all-linear"], "hf", 3_291_185_152),
+    ("qwen3.5-397b-a17b", 32, ["all-linear"], "hf", 15_220_101_120),
+    ("qwen3.5-397b-a17b", 32, ["all-linear"], "mcore", 11_164_078_080),
+    ("qwen3-235b-a22b", 16, ["all-linear"], "hf", 3_303_505_920),
     ("qwen3-235b-a22b", 16, ["all-linear"], "mcore", 2_502_656_000),
-    # attention only: the experts are most of an all-linear MoE adapter
-    ("qwen3.5-397b-a17b", 32, ["linear_qkv", "linear_proj"], "mcore", 25_600 * 60 * 32),
-    ("qwen3.5-397b-a17b", 32, ["q_proj", "k_proj", "v_proj", "o_proj"], "hf", 25_600 * 60 * 32),
+    # attention only: the experts are most of an all-linear MoE adapter; only the 15 full-attention layers
+    # have linear_qkv / q_proj (GDN's in_proj, out_proj are other targets)
+    ("qwen3.5-397b-a17b", 32, ["linear_qkv", "linear_proj"], "mcore", (21_504 + 12_288) * 15 * 32),
+    ("qwen3.5-397b-a17b", 32, ["q_proj", "k_proj", "v_proj", "o_proj"], "hf", (29_696 + 12_288) * 15 * 32),
+    ("qwen3.5-397b-a17b", 32, ["in_proj", "out_proj"], "mcore", (24_704 + 12_288) * 45 * 32),
+    ("qwen3.5-397b-a17b", 32, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"], "hf",
+     (36_992 + 12_288) * 45 * 32),
     ("qwen3-235b-a22b", 16, ["linear_fc2"], "mcore", 128 * (1536 + 4096) * 94 * 16),
     ("qwen3-235b-a22b", 16, ["not_a_module"], "hf", 0),
 ])
@@ -53,22 +66,33 @@ def test_lora_params(model, rank, targets, layout, params):
 
 
 def test_lora_params_from_a_hybrid_config_json():
-    """Qwen3.5's own config.json: 3 of 4 layers are Gated DeltaNet, full attention has an output gate. The
-    experts dominate, so the count stays within 0.2 % of the known-config figure above."""
-    cfg = {"text_config": {**known_config("/m/qwen3.5-397b-a17b"), "full_attention_interval": 4,
-                           "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
-                           "linear_value_head_dim": 128, "attn_output_gate": True}}
-    # GDN layer: in_proj 4096 + 2*16*128 + 2*64*128 + 2*64 = 24,704, out_proj 8192 + 4096; gated full attention:
-    # qkv 4096 + 256 x (64 + 4) = 21,504, proj 12,288
-    attn = 45 * (24_704 + 12_288) + 15 * (21_504 + 12_288)
-    want = (60 * (7_864_320 + 15_360) + attn) * 32
-    got = storage.lora_params(cfg, 32, ["all-linear"], "hf")
-    assert got == want and abs(got / 15_178_137_600 - 1) < 2e-3
+    """Qwen3.5's own config.json: keys under text_config, the layer kinds as a layer_types list (here the last
+    of every 4 layers is full attention, as in the real file): the same count as the known config."""
+    known = known_config("/m/qwen3.5-397b-a17b")
+    text = {k: v for k, v in known.items() if k not in ("full_attention_interval", "vision_config")}
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(60)]
+    cfg = {"model_type": "qwen3_5_moe", "text_config": {**text, "layer_types": types}}
+    assert storage.lora_params(cfg, 32, ["all-linear"], "hf") == 15_220_101_120
+    assert storage.lora_params(cfg, 32, ["all-linear"], "mcore") == 11_164_078_080
+    # Qwen3-Next exports GDN's in_proj as 2 HF modules (in_proj_qkvz, in_proj_ba): 2 A copies fewer per layer
+    next_cfg = {"text_config": {**text, "layer_types": types, "model_type": "qwen3_next"}}
+    assert storage.lora_params(next_cfg, 32, ["all-linear"], "hf") == 15_220_101_120 - 45 * 2 * 4096 * 32
+
+
+def test_mcore_count_is_the_memory_estimates():
+    """One shape derivation: the checkpoint's mcore LoRA parameters are the memory estimate's, whose shipped
+    recipe (EP 8) holds 91.1M dense + 1384.1M expert = 1475M per GPU (5,767,168 x 60 x 32 / 8 on experts)."""
+    r = R.load(R397)
+    shape = E.shape_from_config(known_config(r.model.path))
+    dense, expert = E.lora_params(r, shape)
+    assert (dense, expert) == (91_115_520, 5_767_168 * 60 * 32 / 8) and round((dense + expert) / 1e6) == 1475
+    whole = storage.lora_params(known_config(r.model.path), r.lora.rank, r.lora.target_modules, "mcore")
+    assert whole == sum(E.lora_params(r, shape, per_rank=False)) == 11_164_078_080
 
 
 # --- per save, local, persistent, bandwidth --------------------------------------------------------
 
-ADAPTER_397, SHARDS_397, MERGED_397 = 15_178_137_600 * 2, 11_143_741_440 * 14, 397_000_000_000 * 2
+ADAPTER_397, SHARDS_397, MERGED_397 = 15_220_101_120 * 2, 11_164_078_080 * 14, 397_000_000_000 * 2
 RNG_8 = 8 * 64 * 1024
 CKPT_397 = ADAPTER_397 + SHARDS_397 + RNG_8
 
@@ -80,29 +104,32 @@ CKPT_397 = ADAPTER_397 + SHARDS_397 + RNG_8
     (R397, [], {"adapter": ADAPTER_397, "mcore_shards": SHARDS_397, "rng_scheduler": RNG_8}),  # merge = "final"
     (R397, ["checkpoint.keep_optimizer=false"], {"adapter": ADAPTER_397}),  # --no_save_optim --no_save_rng
     (R235, ['checkpoint.merge="every_save"'],
-     {"adapter": 3_291_185_152 * 2, "mcore_shards": 2_502_656_000 * 14, "rng_scheduler": RNG_8,
+     {"adapter": 3_303_505_920 * 2, "mcore_shards": 2_502_656_000 * 14, "rng_scheduler": RNG_8,
       "merged": 470_000_000_000}),
-    (R235, [], {"adapter": 3_291_185_152 * 2, "mcore_shards": 2_502_656_000 * 14, "rng_scheduler": RNG_8}),
+    (R235, [], {"adapter": 3_303_505_920 * 2, "mcore_shards": 2_502_656_000 * 14, "rng_scheduler": RNG_8}),
 ])
 def test_per_save_bytes(path, overrides, parts):
     assert budget_of(path, *overrides).per_save_bytes == parts
 
 
 @pytest.mark.parametrize("path,overrides,keep,local_gib,persistent_gib,publish_mib_s", [
+    # 397B checkpoint per save: adapter 30.44e9 B = 28.3 GiB + mcore_shards 156.30e9 B = 145.6 GiB -> 173.9 GiB;
     # every_save, 2 kept: 3 checkpoints (2 kept + 1 being written) + 2 merged copies (one being written, one
-    # being published; a published merged copy is deleted locally); persistent: 4 copies (3 newest + best loss)
-    (R397, ['checkpoint.merge="every_save"'], 2, 1999.6, 3652.2, 519.4),
-    # weights-only saves: adapter 28.3 GiB + merged 739.5 GiB every 30 min
-    (R397, ['checkpoint.merge="every_save"', "checkpoint.keep_optimizer=false"], 2, 1563.8, 3071.0, 436.8),
+    # being published; a published merged copy is deleted locally): 3 x 173.9 + 2 x 739.5;
+    # persistent: 4 copies (3 newest + best loss) of 913.4 GiB; 913.4 GiB per 1800 s = 519.6 MiB/s
+    (R397, ['checkpoint.merge="every_save"'], 2, 2000.7, 3653.5, 519.6),
+    # weights-only saves: adapter 28.3 GiB + merged 739.5 GiB every 30 min: 3 x 28.3 + 2 x 739.5; 4 x 767.8
+    (R397, ['checkpoint.merge="every_save"', "checkpoint.keep_optimizer=false"], 2, 1564.0, 3071.3, 436.8),
     # final: 2 kept + the 739.5 GiB export after the last step; persistent: 4 copies + the merged model
-    (R397, [], 2, 1086.6, 1433.7, 98.7),
-    (R397, ["checkpoint.keep_local=1"], 1, 913.0, 1433.7, 98.7),
-    (R397, ['checkpoint.merge="never"'], 2, 520.7, 694.3, 98.7),   # 3 x 173.6 GiB; 4 x 173.6 GiB
-    (R397, ["checkpoint.step_time_s=36"], 2, 1086.6, 1433.7, 49.4),
-    (R397, ["checkpoint.save_steps=400"], 2, 1086.6, 1433.7, 24.7),
-    (R235, ['checkpoint.merge="every_save"'], 2, 991.7, 1905.9, 1524.7),
-    (R235, [], 2, 515.2, 592.8, 124.0),                    # 100 steps x 3.2 s (ms-swift's example)
-    (R235, ["run.persistent_dir=\"\""], 3, 554.0, None, 0.0),  # no persistent_dir: 3 kept + the 437.7 GiB export
+    (R397, [], 2, 1087.3, 1435.1, 98.9),
+    (R397, ["checkpoint.keep_local=1"], 1, 913.4, 1435.1, 98.9),
+    (R397, ['checkpoint.merge="never"'], 2, 521.7, 695.7, 98.9),   # 3 x 173.9 GiB; 4 x 173.9 GiB
+    (R397, ["checkpoint.step_time_s=36"], 2, 1087.3, 1435.1, 49.5),
+    (R397, ["checkpoint.save_steps=400"], 2, 1087.3, 1435.1, 24.7),
+    # 235B checkpoint per save: adapter 6.2 GiB + mcore_shards 32.6 GiB = 38.8 GiB; merged 437.7 GiB
+    (R235, ['checkpoint.merge="every_save"'], 2, 991.8, 1906.0, 1524.8),
+    (R235, [], 2, 515.3, 592.9, 124.1),                    # 100 steps x 3.2 s (ms-swift's example)
+    (R235, ["run.persistent_dir=\"\""], 3, 554.1, None, 0.0),  # no persistent_dir: 3 kept + the 437.7 GiB export
 ])
 def test_budget(path, overrides, keep, local_gib, persistent_gib, publish_mib_s):
     b = budget_of(path, *overrides)
@@ -121,7 +148,7 @@ def test_budget_merged_copy_bandwidth_is_the_issues_420():
 @pytest.mark.parametrize("overrides,available_gib,keep,source", [
     ([], None, 2, "default"),                       # nothing measured: the cap (2 with a persistent_dir)
     ([], 5000, 2, "default"),
-    ([], 1000, 1, "budget"),                        # 2 kept + export = 1086.6 GiB do not fit; 1 does (913.0)
+    ([], 1000, 1, "budget"),                        # 2 kept + export = 1087.3 GiB do not fit; 1 does (913.4)
     ([], 10, 1, "budget"),                          # never below 1: the disk check then fails instead
     (["checkpoint.keep_local=3"], 10, 3, "recipe"),  # the recipe's number is never lowered by the budget
     (["checkpoint.save_total_limit=2", "checkpoint.keep_local=5"], None, 2, "recipe"),  # ms-swift's limit caps
@@ -201,7 +228,7 @@ def test_check_publish_is_a_warning(speed, ok):
     r = R.load(R397, ['checkpoint.merge="every_save"'])
     c = plan.check_publish(r, storage.budget(r, known_config(r.model.path)), speed, "probe failed")
     assert (c.name, c.ok, c.fatal) == ("publish_throughput", ok, False)
-    assert "needs 519 MiB/s" in c.detail and ("raise checkpoint.save_steps" in c.detail) is not ok
+    assert "needs 520 MiB/s" in c.detail and ("raise checkpoint.save_steps" in c.detail) is not ok
 
 
 # --- a real small filesystem ---------------------------------------------------------------------
@@ -235,12 +262,13 @@ def test_fatal_check_on_a_small_filesystem(tmpfs, write_recipe, tmp_path):
     b, disks = plan.storage_budget(r)
     assert (b.keep_local, b.keep_local_source) == (1, "budget")
     assert by_name(plan.check_storage(r, b, disks))["disk:output_dir"].ok
-    # keep_local = 3 kept by the recipe cannot fit: 4 saves of 25.5 MiB (merged 24 MiB + adapter, shards, RNG;
-    # no persistent_dir, so the merged copies stay with their checkpoints)
+    # keep_local = 3 kept by the recipe cannot fit: 4 saves of 25.5 MiB (merged 24 MiB + adapter 80,896 x 2 B,
+    # shards 62,464 x 14 B, RNG 8 x 64 KiB = 106,905,600 B / 4; no persistent_dir, so the merged copies stay
+    # with their checkpoints)
     r = R.load(sized_recipe(write_recipe, tmp_path, tmpfs / "out", "every_save"), ["checkpoint.keep_local=3"])
     c = by_name(plan.preflight(r, plan.gpu.NullReader().snapshot()))["disk:output_dir"]
     assert (c.ok, c.fatal) == (False, True)
-    assert f"(disk {tmpfs})" in c.detail and "retention needs 101.9 MiB" in c.detail and "64.0 MiB free" in c.detail
+    assert f"(disk {tmpfs})" in c.detail and "retention needs 102.0 MiB" in c.detail and "64.0 MiB free" in c.detail
     assert "lower checkpoint.keep_local (now 3)" in c.detail and 'checkpoint.merge = "final"' in c.detail
 
 
@@ -261,7 +289,7 @@ def test_run_refuses_with_exit_2_when_storage_cannot_fit(tmpfs, write_recipe, tm
                           "--set", "metrics.enabled=false"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
     assert res.returncode == 2, res.stderr[-2000:]
-    assert "disk:output_dir" in res.stderr and "retention needs 101.9 MiB" in res.stderr
+    assert "disk:output_dir" in res.stderr and "retention needs 102.0 MiB" in res.stderr
     assert not (tmpfs / "out" / ".orchestrator" / "attempts").exists() or \
         not any((tmpfs / "out" / ".orchestrator" / "attempts").iterdir())  # nothing launched
 
