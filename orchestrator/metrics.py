@@ -140,6 +140,8 @@ class Metrics:
         self._sync_lag = gauge("orchestrator_sync_lag_seconds",
                                "How far the synced copy lags the newest local checkpoint, seconds.")
         self._sync_bytes = counter("orchestrator_sync_bytes", "Bytes copied by checkpoint sync.")
+        self._pruned = counter("orchestrator_local_checkpoints_pruned",
+                               "Local checkpoints and merged copies deleted by retention, by reason.", ("reason",))
         self._gpu_used = gauge("orchestrator_gpu_memory_used_bytes", "GPU memory in use (NVML), bytes.",
                                ("gpu",))
         self._gpu_total = gauge("orchestrator_gpu_memory_total_bytes", "GPU memory size (NVML), bytes.",
@@ -238,6 +240,9 @@ class Metrics:
 
     def checkpoint_invalid(self) -> None:
         self._ckpt_invalid.inc()
+
+    def pruned(self, pressure: bool) -> None:
+        self._pruned.labels("disk_pressure" if pressure else "retention").inc()
 
     def sync_done(self, bytes_copied: int, lag_s: float) -> None:
         """A sync finished; lag_s = age of the newest checkpoint now present at the destination."""

@@ -22,6 +22,12 @@ class Local:
     ok: bool                       # verified
     published: bool                # its copy on persistent storage is verified (journal synced_at)
     merged_path: str | None = None
+    superseded: bool = False       # outside what persistent retention keeps: sync never copies it
+
+    @property
+    def released(self) -> bool:
+        """Its local copy is not the only one that matters: published, or never to be published."""
+        return self.published or self.superseded
 
 
 @dataclass(frozen=True)
@@ -31,24 +37,28 @@ class Prune:
 
 
 def plan_prune(local: list[Local], keep: int, persistent: bool, keep_merged: bool,
-               pressure: bool = False) -> list[Prune]:
+               pressure: bool = False, writing: bool = True) -> list[Prune]:
     """What may be deleted now, oldest first. `persistent`: a persistent_dir is set (unpublished copies are
-    the only ones); `pressure`: the disk cannot take the next save, keep no more than retention must."""
+    the only ones); `pressure`: the disk cannot take the next save, keep no more than retention must;
+    `writing`: a trainer is running (an incomplete checkpoint may be the save in progress). With no trainer,
+    an incomplete checkpoint is one torn by a save that crashed: never resumable, and the relaunch rewrites it."""
+    torn = [] if writing else [Prune(c.path, f"checkpoint-{c.step} was torn by a crashed save")
+                               for c in sorted(local, key=lambda c: c.step) if not c.complete]
     good = sorted((c for c in local if c.complete and c.ok), key=lambda c: c.step)
     if not good:
-        return []
+        return torn
     resume = good[-1]
     kept = {c.step for c in good[-(1 if pressure else max(1, keep)):]}
     out: list[Prune] = []
     for c in good:
-        unpublished = persistent and not c.published
+        unpublished = persistent and not c.released
         if c.step in kept or c is resume or unpublished:
             if c.merged_path and c.published and not keep_merged:  # resume never reads the merged copy
                 out.append(Prune(c.merged_path, f"merged copy of checkpoint-{c.step} is published"))
             continue
         why = "disk pressure: " if pressure else ""
-        out.append(Prune(c.path, f"{why}older than the newest {1 if pressure else keep} verified"
-                                 + (", published" if persistent else "")))
+        where = ", published" if c.published else ", superseded (outside persistent retention)" if persistent else ""
+        out.append(Prune(c.path, f"{why}older than the newest {1 if pressure else keep} verified{where}"))
         if c.merged_path:
             out.append(Prune(c.merged_path, f"merged copy of pruned checkpoint-{c.step}"))
-    return out
+    return torn + out

@@ -4,15 +4,20 @@ ones quarantined, and the resume point chosen."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from orchestrator import checkpoints, manifest
+from orchestrator import checkpoints, manifest, retention
 from orchestrator.journal import Journal
 from orchestrator.metrics import Metrics
 from orchestrator.recipe import Recipe
+from orchestrator.sync import retain
 from orchestrator.types import Alert, CheckpointInfo, Resume
+
+
+PRUNING = ".orchestrator-pruning-"   # a checkpoint being deleted by retention
 
 
 class RunCheckpoints:
@@ -23,17 +28,24 @@ class RunCheckpoints:
         self.recipe, self.hash, self.out = recipe, recipe_hash, out
         self.journal, self.metrics, self.on_saved, self.restore = journal, metrics, on_saved, restore
         self.seen: dict[str, bool] = {}  # path -> verified ok; complete checkpoints are verified once
+        self.stale: dict[str, float | None] = {}  # path -> marker mtime: the old save a relaunch will rewrite
+        self.unhashed: dict[str, tuple[int, float | None]] = {}  # manifests that failed: path -> (step, loss)
         # (step, ok) of the newest checkpoint verified so far (a rewrite of that step replaces it):
         # the checkpoint_invalid alert is raised exactly while it failed. Unlike `seen`, never forgotten.
         self.newest_verdict: tuple[int, bool] | None = None
         lora = recipe.lora
         self.expect = checkpoints.LoraExpect(lora.rank, lora.alpha, tuple(lora.target_modules))
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
+        for left in out.glob(f"{PRUNING}*"):  # a supervisor killed mid-delete: finish what it had decided
+            shutil.rmtree(left, ignore_errors=True)
 
     def scan(self, now: float) -> None:
-        for info in checkpoints.discover(self.out, self.recipe.run.backend, self.expect, skip=self.seen):
+        unchanged = {p for p, m in self.stale.items() if _marker_mtime(Path(p)) == m}
+        for info in checkpoints.discover(self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys() | unchanged):
             if not info.complete:
                 continue
+            if self.stale.pop(info.path, None) is not None:  # rewritten: its manifest described the old files
+                (Path(info.path) / manifest.MANIFEST).unlink(missing_ok=True)
             self.seen[info.path] = info.ok
             self._verdict(info.step, info.ok)
             saved = _mtime(info.path, now)
@@ -42,14 +54,29 @@ class RunCheckpoints:
                 self.metrics.checkpoint_saved(info.step, saved)
                 self.journal.event("checkpoint", f"verified {Path(info.path).name}")
                 if manifest.read_manifest(info.path) is None:
-                    # Hashing a large checkpoint takes seconds to minutes: never in the loop.
-                    self.hasher.submit(manifest.write_manifest, info.path, info.step, self.hash,
-                                       info.loss).add_done_callback(lambda _f: self.on_saved())
+                    self._hash(info.path, info.step, info.loss)
                 else:
                     self.on_saved()
             else:
                 self.metrics.checkpoint_invalid()
                 self.journal.event("checkpoint_invalid", f"{Path(info.path).name}: " + "; ".join(info.problems))
+
+    def _hash(self, path: str, step: int, loss: float | None) -> None:
+        """The manifest, off the loop (hashing a large checkpoint takes minutes). One that fails (a full
+        disk refuses even a small JSON) is retried by retry_manifests(), never left out for good."""
+        def done(f) -> None:
+            if f.exception() is not None:
+                self.unhashed[path] = (step, loss)
+            self.on_saved()
+        self.unhashed.pop(path, None)
+        self.hasher.submit(manifest.write_manifest, path, step, self.hash, loss).add_done_callback(done)
+
+    def retry_manifests(self) -> None:
+        for path, (step, loss) in list(self.unhashed.items()):
+            if os.path.isdir(path):
+                self._hash(path, step, loss)
+            else:
+                self.unhashed.pop(path)
 
     def _verdict(self, step: int, ok: bool) -> None:
         before = self.newest_verdict
@@ -62,8 +89,12 @@ class RunCheckpoints:
         return max((_step(p) for p, ok in self.seen.items() if ok), default=-1)
 
     def forget_after(self, step: int) -> None:
-        """A new attempt rewrites any checkpoint after its resume point: verify those afresh."""
+        """A new attempt rewrites every checkpoint after its resume point, in place: until a rewrite's
+        completeness marker is newer than now, such a directory still holds the old save (complete-looking
+        while half rewritten), so it is not verified; once rewritten, it is verified afresh."""
         self.seen = {p: ok for p, ok in self.seen.items() if _step(p) <= step}
+        self.stale = {str(d): _marker_mtime(d) for d in self.out.glob("checkpoint-*")
+                      if checkpoints.CKPT_RE.fullmatch(d.name) and _step(str(d)) > step}
 
     def resume_point(self) -> Resume | None:
         best = None
@@ -79,6 +110,38 @@ class RunCheckpoints:
             if best is None:
                 return None
         return Resume(best.path, best.step, weights_only=not self.recipe.checkpoint.keep_optimizer)
+
+    def prune(self, keep: int, pressure: bool, writing: bool = True) -> int:
+        """Local retention (retention.plan_prune) over the checkpoints verified so far: a checkpoint being
+        written was never verified, so it is never a candidate. Each deletion is a rename out of the
+        checkpoint namespace first, so a kill -9 mid-delete leaves no half checkpoint under its name.
+        Returns how many were deleted."""
+        rows = [c for c in self.journal.checkpoints() if c["ok"]]
+        wanted = retain({c["step"]: c["loss"] for c in rows}, self.recipe.checkpoint.keep_persistent)
+        synced = {c["step"] for c in rows if c["synced_at"]}
+        local = [retention.Local(_step(p), p, True, ok, _step(p) in synced,
+                                 p + "-merged" if os.path.isdir(p + "-merged") else None, _step(p) not in wanted)
+                 for p, ok in self.seen.items() if os.path.isdir(p)]
+        if not writing:
+            local += [retention.Local(i.step, i.path, False, False, False) for i in
+                      checkpoints.scan(self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys())
+                      if not i.complete]
+        done = 0
+        for prune in retention.plan_prune(local, keep, self.recipe.run.persistent_dir is not None,
+                                          keep_merged=False, pressure=pressure, writing=writing):
+            path = Path(prune.path)
+            doomed = path.with_name(f"{PRUNING}{path.name}")
+            try:
+                path.rename(doomed)
+            except OSError as e:
+                self.journal.event("prune_failed", f"{path.name}: {e.strerror or e}")
+                continue
+            self.seen.pop(prune.path, None)
+            shutil.rmtree(doomed, ignore_errors=True)
+            self.journal.event("prune", f"deleted local {path.name}: {prune.reason}")
+            self.metrics.pruned(pressure)
+            done += 1
+        return done
 
     def quarantine(self, nan_step: int, attempt_n: int) -> None:
         """Checkpoints from the NaN step on (a save on the SIGTERM that stopped the attempt, say) may
@@ -125,6 +188,17 @@ def _mtime(path: str, default: float) -> float:
                    default=Path(path).stat().st_mtime)
     except OSError:
         return default
+
+
+def _marker_mtime(path: Path) -> float | None:
+    """When the save's completeness marker (megatron's iteration file, swift's trainer_state.json) was written."""
+    times = []
+    for name in (checkpoints.ITER_FILE, "trainer_state.json"):
+        try:
+            times.append((path / name).stat().st_mtime_ns)
+        except OSError:
+            pass
+    return max(times, default=None)
 
 
 def _step(checkpoint_path: str) -> int:

@@ -48,6 +48,7 @@ from orchestrator.spot import from_recipe as spot_notice
 from orchestrator.types import TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode, GpuSnapshot, Phase, State
 from orchestrator.watch import AttemptWatch
 
+GIB = 1024**3
 CHECKPOINT_SCAN_S = 2.0
 GOODPUT_EVERY_S = 10.0
 ECHO_PROGRESS_S = 10.0
@@ -170,6 +171,8 @@ class Supervisor:
         earlier = self.journal.attempts()
         self.attempts_before = earlier[-1].n if earlier else 0  # attempt numbers continue the journal's
         self.history = policy.rebuild_history(earlier, {c["step"] for c in self.journal.checkpoints() if c["ok"]})
+        budget, _ = plan.storage_budget(r)
+        self.keep_local, self.save_gib = budget.keep_local, sum(budget.per_save_bytes.values()) / GIB
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:
@@ -267,7 +270,7 @@ class Supervisor:
             self.echoed_at = mono
             loss = f" loss {a.last.loss:.4g}" if a.last.loss is not None else ""
             self.echo(f"{time.strftime('%H:%M:%S', time.localtime(now))} progress: step {a.last.step}/{a.last.max_steps}{loss}")
-        self._scan_checkpoints()
+        full = self._keep_space() if self._scan_checkpoints() else None
         self._pass_done()
         exited = a.launched.status is not None
         if exited:
@@ -279,6 +282,8 @@ class Supervisor:
             return State.COMPLETED if a.done and a.launched.status.code == 0 else self._crashed(None)
         if self.stop_event.is_set():
             return State.STOPPING
+        if full:
+            return self._crashed(Crash(CrashClass.DISK_FULL, (full,), self._phase()))
         divergence = self._resume_divergence()
         if divergence:
             self.metrics.resume_divergence()
@@ -349,6 +354,8 @@ class Supervisor:
         if self._sleep(d.wait_s + d.backoff_s):
             return State.STOPPED
         if d.action is Action.WAIT_FOR_SPACE:
+            self.checkpoints.retry_manifests()  # a full disk refused them; unpublished copies wait for them
+            self.checkpoints.prune(self.keep_local, pressure=True, writing=False)  # torn saves, what was published
             free, need = self.host.free_gib(self.recipe.run.output_dir), self.recipe.supervisor.min_free_gib
             if free < need:
                 self.journal.event("disk_full", f"{self.recipe.run.output_dir}: {free:.1f} GiB free, waiting for {need:g}")
@@ -414,12 +421,28 @@ class Supervisor:
         self.journal.event("gpus_not_clear", "; ".join(problems), killed_own=sorted(own), killed_foreign=allowed,
                            spared_foreign=spared)
 
-    def _scan_checkpoints(self, force: bool = False) -> None:
+    def _scan_checkpoints(self, force: bool = False) -> bool:
         mono = self.host.monotonic()
         if not force and mono - self.last_scan < CHECKPOINT_SCAN_S:
-            return
+            return False
         self.last_scan = mono
         self.checkpoints.scan(self.host.now())
+        self.checkpoints.retry_manifests()
+        return True
+
+    def _keep_space(self) -> str | None:
+        """Local retention, and under disk pressure (less free than the next save needs) pruning down to the
+        resume point and what is not yet published. Returns why the trainer must stop when even that
+        leaves less than min(next save, min_free_gib): it would meet ENOSPC mid-save."""
+        out, min_free = self.recipe.run.output_dir, self.recipe.supervisor.min_free_gib
+        need = self.save_gib or min_free
+        free = self.host.free_gib(out)
+        if self.checkpoints.prune(self.keep_local, pressure=free < need):
+            free = self.host.free_gib(out)
+        if free < min(need, min_free):
+            return (f"{out}: {free:.3g} GiB free, the next save needs ~{need:.3g} GiB and nothing more can be "
+                    "pruned: stopped before the trainer meets ENOSPC")
+        return None
 
     def _resume_divergence(self) -> str | None:
         a = self.attempt
@@ -462,6 +485,7 @@ class Supervisor:
         self.notifier.stopping(f"{self.state.value}: final sync")  # disarms the watchdog for the final sync
         self.checkpoints.close()  # manifests first: the final sync publishes what they describe
         self.sidecar.stop(final_sync=True)
+        self.checkpoints.prune(self.keep_local, pressure=False, writing=False)  # what the final sync published
         self.goodput_at = float("-inf")
         self._pass_done()  # final goodput and sync figures
         if self.state is State.GAVE_UP and self.recipe.metrics.enabled:

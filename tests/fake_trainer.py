@@ -10,6 +10,8 @@ Environment:
   FAKE_BACKEND      megatron | swift (default: swift if --max_steps is given, else megatron)
   FAKE_STARTUP_S    delay before step 1 (model loading), default 0.05
   FAKE_STEP_S       seconds per step, default 0.01
+  FAKE_SHARD_MB     megatron: MiB of optimizer state per rank shard (__R_0.distcp), default 0 (a few bytes):
+                    checkpoints of a real size for retention and full-disk tests
   FAKE_FAULTS       comma list of <class>@<step> (CrashClass values). A fault fires when the trainer is
                     about to run that step; step 0 = start-up, which every launch goes through (also a
                     resumed one); any other step fires only when > the resume step. disk_full@N strikes
@@ -131,6 +133,7 @@ class Fake:
         self.nranks = int(env("FAKE_NPROC") or env("NPROC_PER_NODE") or 8)
         self.port = int(env("MASTER_PORT") or 29500)
         self.step_s = float(env("FAKE_STEP_S", "0.01"))
+        self.shard_bytes = int(float(env("FAKE_SHARD_MB", "0")) * (1 << 20))
         self.exit_after = int(env("FAKE_EXIT_AFTER_STEP") or 0)
         self.torchrun_exit = env("FAKE_LAUNCHER", "worker") == "torchrun"
         self.faults = []
@@ -369,6 +372,8 @@ class Fake:
                 for r in range(self.nranks):
                     with open(os.path.join(it, f"__{r}_0.distcp"), "wb") as f:
                         f.write(struct.pack("<Q", step) * 64)
+                        for _ in range(0, self.shard_bytes, 1 << 20):
+                            f.write(os.urandom(min(1 << 20, self.shard_bytes)))
                 with open(os.path.join(it, ".metadata"), "wb") as f:
                     f.write(pickle.dumps({"iteration": step, "world_size": self.nranks}))
                 with open(os.path.join(it, "metadata.json"), "w") as f:

@@ -7,7 +7,8 @@ from orchestrator.retention import Local, plan_prune
 
 
 def ck(step, ok=True, complete=True, published=True, merged=False):
-    return Local(step, f"checkpoint-{step}", complete, ok, published, f"checkpoint-{step}-merged" if merged else None)
+    return Local(step, f"checkpoint-{step}", complete, ok, published,
+                 merged_path=f"checkpoint-{step}-merged" if merged else None)
 
 
 @pytest.mark.parametrize("local, keep, persistent, keep_merged, pressure, pruned", [
@@ -37,6 +38,13 @@ def test_plan_prune(local, keep, persistent, keep_merged, pressure, pruned):
     assert [p.path for p in plan_prune(local, keep, persistent, keep_merged, pressure)] == pruned
 
 
+def test_superseded_unpublished_checkpoints_may_go():
+    """Sync publishes only what persistent retention keeps: an older one it skipped is not waiting for a copy."""
+    old = Local(10, "checkpoint-10", True, True, published=False, superseded=True)
+    assert [p.path for p in plan_prune([old, ck(20), ck(30)], 1, True, False)] == ["checkpoint-10", "checkpoint-20"]
+    assert "superseded" in plan_prune([old, ck(20), ck(30)], 1, True, False)[0].reason
+
+
 def test_the_resume_point_is_never_pruned():
     for keep in (1, 2, 5):
         for pressure in (False, True):
@@ -44,3 +52,9 @@ def test_the_resume_point_is_never_pruned():
             pruned = {p.path for p in plan_prune(local, keep, True, False, pressure)}
             assert "checkpoint-100" not in pruned
             assert not {f"checkpoint-{s}" for s in range(10, 110, 20)} & pruned, "unpublished ones stay"
+
+
+def test_torn_checkpoints_go_only_when_no_trainer_is_writing():
+    local = [ck(10), ck(20), Local(30, "checkpoint-30", False, False, False)]
+    assert "checkpoint-30" not in [p.path for p in plan_prune(local, 2, True, False, writing=True)]
+    assert [p.path for p in plan_prune(local, 2, True, False, writing=False)] == ["checkpoint-30"]

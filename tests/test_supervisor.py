@@ -121,7 +121,7 @@ def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path):
 
 def test_resume_divergence_stops_the_run(tmp_path):
     recipe = fake_recipe(tmp_path, faults="fla_backward_oom@15")
-    assert supervise(recipe)[0] == ExitCode.OK
+    assert supervise(recipe, "checkpoint.keep_local=10")[0] == ExitCode.OK  # local retention keeps checkpoint-10
     # A second run of the same recipe in a new directory, seeded with checkpoint-10 and a
     # logging.jsonl that says step 11 had a very different loss before the "crash".
     out2 = tmp_path / "out2"
