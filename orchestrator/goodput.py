@@ -51,6 +51,7 @@ KIND_CAUSE: dict[str, str] = {
     "hang": "hang",
     "cleanup": "cleanup",
     "verify": "cleanup",
+    "restore": "startup",     # copying the newest published checkpoint back onto a new machine
 }
 KINDS = frozenset({PRODUCTIVE, *KIND_CAUSE})
 

@@ -22,11 +22,10 @@ PRUNING = ".orchestrator-pruning-"   # a checkpoint being deleted by retention
 
 class RunCheckpoints:
     def __init__(self, recipe: Recipe, recipe_hash: str, out: Path, journal: Journal, metrics: Metrics,
-                 on_saved: Callable[[], None], restore: Callable[[], CheckpointInfo | None]):
-        """`on_saved`: a verified checkpoint (and its manifest) is ready to sync; `restore`: copy the newest
-        published checkpoint back when none is usable locally."""
+                 on_saved: Callable[[], None]):
+        """`on_saved`: a verified checkpoint (and its manifest) is ready to sync."""
         self.recipe, self.hash, self.out = recipe, recipe_hash, out
-        self.journal, self.metrics, self.on_saved, self.restore = journal, metrics, on_saved, restore
+        self.journal, self.metrics, self.on_saved = journal, metrics, on_saved
         self.seen: dict[str, bool] = {}  # path -> verified ok; complete checkpoints are verified once
         self.stale: dict[str, float | None] = {}  # path -> marker mtime: the old save a relaunch will rewrite
         self.unhashed: dict[str, tuple[int, float | None]] = {}  # manifests that failed: path -> (step, loss)
@@ -105,10 +104,9 @@ class RunCheckpoints:
                 self.journal.event("resume_skip", why)
             if best is not None:  # newest first: stop at the first acceptable one
                 break
-        if best is None:
-            best = self.restore()
-            if best is None:
-                return None
+        return None if best is None else self.resume_from(best)
+
+    def resume_from(self, best: CheckpointInfo) -> Resume:
         return Resume(best.path, best.step, weights_only=not self.recipe.checkpoint.keep_optimizer)
 
     def prune(self, keep: int, pressure: bool, writing: bool = True) -> int:

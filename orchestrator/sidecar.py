@@ -4,14 +4,17 @@ persistent storage when the local disk has nothing to resume from (the new-spot-
 Only the run's own copies count (published.published: its publish dir, its recipe hash)."""
 from __future__ import annotations
 
-import time
+import threading
 from pathlib import Path
 
 from orchestrator import checkpoints, sync
+from orchestrator import manifest as mf
 from orchestrator.published import PublishLock, publish_dir, published
 from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
 from orchestrator.rundir import place
 from orchestrator.types import CheckpointInfo
+
+GIB = 1024**3
 
 
 def _sync_args(r: Recipe, h: str) -> dict:
@@ -96,28 +99,64 @@ class Sidecar:
             self.thread.stop(final_sync=final_sync)
             self.report()
 
-    def restore_newest(self) -> CheckpointInfo | None:
+    def start_restore(self) -> None:
+        """Copy the newest published checkpoint back in a background thread (hundreds of GB at 397B: the
+        loop must keep pinging the watchdog). Only what a resume reads: never the merged copy. The thread
+        writes no journal: its notes are folded in by the loop (finish_restore)."""
+        self.restore_notes: list[tuple[str, str, dict]] = []
+        self.restore_result: CheckpointInfo | None = None
+        self.restore_done = threading.Event()
+
+        def run() -> None:
+            try:
+                self.restore_result = self._restore_newest(self.restore_notes)
+            except Exception as e:  # noqa: BLE001 - a failed restore is a journal note, never a dead loop
+                self.restore_notes.append(("restore_failed", f"restore failed: {e}", {}))
+            finally:
+                self.restore_done.set()
+
+        threading.Thread(target=run, name="restore", daemon=True).start()
+
+    def restore_copied_bytes(self) -> int:
+        """Bytes in the restore's staging directories so far (its progress)."""
+        total = 0
+        for d in Path(self.recipe.run.output_dir).glob(f"{sync.PARTIAL}*"):
+            for f in d.rglob("*"):
+                try:
+                    total += f.stat().st_size if f.is_file() else 0
+                except OSError:
+                    pass
+        return total
+
+    def finish_restore(self) -> CheckpointInfo | None:
+        for kind, message, data in self.restore_notes:
+            self.journal.event(kind, message, **data)
+        return self.restore_result
+
+    def _restore_newest(self, notes: list) -> CheckpointInfo | None:
         """Newest published checkpoint of this run (its publish dir, else the flat layout of an earlier
         release; manifest naming this recipe hash), copied back and verified; None if none."""
-        if not self.enabled:
-            return None
         try:
             copies = [c for c in self._published() if not c.merged]
         except OSError as e:
-            self.journal.event("restore_failed", f"cannot read {self.recipe.run.persistent_dir}: {e.strerror or e}")
+            notes.append(("restore_failed", f"cannot read {self.recipe.run.persistent_dir}: {e.strerror or e}", {}))
             return None
         for c in sorted(copies, key=lambda c: c.step, reverse=True):
+            size = sum(f.get("size", 0) for f in (mf.read_manifest(c.path) or {}).get("files", []))
+            notes.append(("restore", f"restoring checkpoint-{c.step} from {c.path} ({size / GIB:.1f} GiB)",
+                          {"bytes": size}))
+            self.restore_bytes = size
             try:
                 path = sync.restore(c.dir, self.recipe.run.output_dir, c.step, recipe_hash=self.hash,
-                                    include_merged=self.recipe.checkpoint.merge_lora)
+                                    include_merged=False)
             except sync.SyncError as e:
-                self.journal.event("restore_failed", str(e))
+                notes.append(("restore_failed", str(e), {}))
                 continue
             v = checkpoints.verify(path, backend=self.recipe.run.backend)
             if v.ok:
                 layout = ", flat layout of an earlier release" if c.flat else ""
-                self.journal.event("restored", f"restored {path.name} from {c.path} (recipe {self.hash[:8]}{layout})",
-                                   at=time.time(), source=str(c.path), step=c.step, flat=c.flat)
+                notes.append(("restored", f"restored {path.name} from {c.path} (recipe {self.hash[:8]}{layout})",
+                              {"source": str(c.path), "step": c.step, "flat": c.flat}))
                 return v.to_info()
-            self.journal.event("restore_failed", f"{path}: " + "; ".join(v.problems))
+            notes.append(("restore_failed", f"{path}: " + "; ".join(v.problems), {}))
         return None

@@ -45,14 +45,16 @@ from orchestrator.run_checkpoints import RunCheckpoints
 from orchestrator.rundir import RunLock, place, run_id, state_dir
 from orchestrator.sidecar import Sidecar
 from orchestrator.spot import from_recipe as spot_notice
-from orchestrator.types import TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode, GpuSnapshot, Phase, State
+from orchestrator.types import (TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode, GpuSnapshot,
+                                Phase, Resume, State)
 from orchestrator.watch import AttemptWatch
 
 GIB = 1024**3
 CHECKPOINT_SCAN_S = 2.0
 GOODPUT_EVERY_S = 10.0
 ECHO_PROGRESS_S = 10.0
-WAIT_SLICE_S = 1.0   # a deliberate wait reports (watchdog, spot notice, sync) at least this often
+WAIT_SLICE_S = 1.0
+RESTORE_REPORT_S = 30.0   # a deliberate wait reports (watchdog, spot notice, sync) at least this often
 
 
 class Supervisor:
@@ -162,8 +164,7 @@ class Supervisor:
         self._stop_predecessor()
         # the sidecar starts below, after any quarantine, so it never publishes a poisoned checkpoint
         self.checkpoints = RunCheckpoints(r, self.hash, self.out, self.journal, self.metrics,
-                                          on_saved=lambda: self.sidecar.trigger(),
-                                          restore=lambda: self.sidecar.restore_newest())
+                                          on_saved=lambda: self.sidecar.trigger())
         previous = self.journal.get_all()
         pending = previous.get("nan_pending")
         if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
@@ -227,8 +228,15 @@ class Supervisor:
         return State.VERIFYING
 
     def _launch(self) -> State:
-        r, now, before = self.recipe, self.host.now(), self.attempt
+        r, before = self.recipe, self.attempt
         resume = self.checkpoints.resume_point()
+        if resume is None and self.sidecar.enabled:  # a new machine: the newest published copy, if any
+            started = self.host.now()
+            resume = self._restore()
+            self.journal.span(started, self.host.now(), "restore")
+            if self.stop_event.is_set():
+                return State.STOPPED
+        now = self.host.now()
         lo, hi = r.supervisor.port_range
         port = before.port if before else None
         if port is None or (before.decision and before.decision.new_port) or not self.host.port_free(port):
@@ -394,6 +402,24 @@ class Supervisor:
         for p in a.gather(self.host.now(), self.host.monotonic(), drain=True):
             self.metrics.observe_progress(p)
         self._scan_checkpoints(force=True)
+
+    def _restore(self) -> Resume | None:
+        """The restore runs in the background; the loop waits in slices that keep the watchdog and the
+        status alive, and reports progress (a 397B checkpoint is hundreds of GB: minutes, not seconds)."""
+        started = reported = self.host.monotonic()
+        self.sidecar.start_restore()
+        while not self.sidecar.restore_done.is_set():
+            if self._sleep(WAIT_SLICE_S):
+                break
+            mono = self.host.monotonic()
+            copied = self.sidecar.restore_copied_bytes()
+            self.journal.put(restore_copied_bytes=copied)
+            if mono - reported >= RESTORE_REPORT_S:
+                reported = mono
+                self.journal.event("restore_progress", f"{copied / GIB:.1f} GiB copied in {mono - started:.0f} s")
+                self.notifier.status(f"restoring: {copied / GIB:.1f} GiB copied")
+        best = self.sidecar.finish_restore()
+        return self.checkpoints.resume_from(best) if best else None
 
     def _launch_state(self) -> State:
         return State.RELAUNCHING if self.attempt else State.LAUNCHING

@@ -33,7 +33,7 @@ def tracked(tmp_path: Path):
     out.mkdir()
     metrics = Metrics()
     journal = Journal(tmp_path / "journal.sqlite")
-    rc = RunCheckpoints(recipe, "hash", out, journal, metrics, on_saved=lambda: None, restore=lambda: None)
+    rc = RunCheckpoints(recipe, "hash", out, journal, metrics, on_saved=lambda: None)
     yield out, rc, metrics
     rc.close()
 

@@ -60,7 +60,7 @@ def test_a_kill_during_pruning_loses_nothing(tmp_path):
         class Journal:
             def checkpoints(self): return []
             def event(self, *a, **k): pass
-        rc = RunCheckpoints(load({json.dumps(str(recipe))}), "h", Path(out), Journal(), None, None, None)
+        rc = RunCheckpoints(load({json.dumps(str(recipe))}), "h", Path(out), Journal(), None, None)
         rc.seen = {{out + "/checkpoint-10": True}}
         retention.plan_prune = lambda *a, **k: [retention.Prune(out + "/checkpoint-10", "test")]
         shutil.rmtree = lambda path, **k: os.kill(os.getpid(), signal.SIGKILL)   # killed mid-delete
@@ -72,7 +72,7 @@ def test_a_kill_during_pruning_loses_nothing(tmp_path):
     from orchestrator.recipe import load
     from orchestrator.run_checkpoints import RunCheckpoints
 
-    RunCheckpoints(load(recipe), "h", out, None, None, None, None)   # the successor's start
+    RunCheckpoints(load(recipe), "h", out, None, None, None)   # the successor's start
     assert not list(out.glob(".orchestrator-pruning-*")), "the successor finished the decided delete"
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == {k: v for k, v in before.items() if k.parts[0] != "checkpoint-10"}, "nothing else lost"
