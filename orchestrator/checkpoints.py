@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator import progress
 from orchestrator.manifest import manifest_matches, read_manifest
 from orchestrator.types import CheckpointInfo
 
@@ -25,6 +26,11 @@ except ImportError:  # without them only our own header parse runs
 
 CKPT_RE = re.compile(r"checkpoint-(\d+)")
 MERGED_RE = re.compile(r"checkpoint-(\d+)-merged")
+
+
+def step_of(name: str | os.PathLike) -> int:
+    """The step in a `checkpoint-N` (or `checkpoint-N-merged`, `checkpoint-N.nan-...`) name or path."""
+    return int(re.match(r"checkpoint-(\d+)", Path(name).name).group(1))
 ITER_DIR_RE = re.compile(r"iter_(\d{7,})")
 ITER_FILE = "latest_checkpointed_iteration.txt"
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
@@ -289,7 +295,7 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
         infos = [q for q in p.iterdir() if CKPT_RE.fullmatch(q.name) and q.is_dir()]
         if not infos:
             return Verification(False, None, False, (f"{p}: no checkpoint-N directories",), path=str(p))
-        return verify(max(infos, key=lambda q: int(q.name.split("-")[1])), expect, full_checksum, backend=backend)
+        return verify(max(infos, key=step_of), expect, full_checksum, backend=backend)
     # the other backend's checkpoint is named as such first, then checked as what it is
     problems: list[str] = []
     if backend is not None and kind is not None and kind != backend and not mm:  # -merged: full weights, any backend
@@ -388,18 +394,17 @@ def _trainer_loss(ckpt: Path, step: int) -> float | None:
         return None
 
 
-def _jsonl_losses(path: Path) -> dict[int, float]:
-    """step -> last logged training loss from logging.jsonl (a resumed run appends, so the last wins)."""
+def logged_losses(jsonl: str | os.PathLike) -> dict[int, float]:
+    """step -> loss from a logging.jsonl (both backends; appended across attempts: the last record per step
+    wins). Lines without a loss are skipped before parsing: the file grows by one record a step."""
     out: dict[int, float] = {}
     try:
-        with open(path, "rb") as f:
-            for line in (ln for ln in f if b'"loss"' in ln):
-                try:
-                    rec = json.loads(line)
-                    cur = rec.get("iteration") or rec["global_step/max_steps"]
-                    out[int(str(cur).split("/")[0])] = float(rec["loss"])
-                except (ValueError, TypeError, KeyError, AttributeError):
-                    continue
+        with open(jsonl, "rb") as f:
+            for line in f:
+                if b'"loss"' in line:
+                    p = progress.parse_jsonl_line(line.decode("utf-8", "replace"))
+                    if p is not None and p.loss is not None:
+                        out[p.step] = p.loss
     except OSError:
         pass
     return out
@@ -422,7 +427,7 @@ def scan(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None 
         return
     jsonl = None
     names = [n for n in entries if CKPT_RE.fullmatch(n) and str(entries[n]) not in skip and entries[n].is_dir()]
-    for name in sorted(names, key=lambda n: int(n.split("-")[1]), reverse=newest_first):
+    for name in sorted(names, key=step_of, reverse=newest_first):
         v = verify(entries[name], expect, backend=backend)
         merged = entries.get(f"{name}-merged")
         manifest = read_manifest(entries[name])
@@ -430,7 +435,7 @@ def scan(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None 
         if loss is None:
             loss = _trainer_loss(entries[name], v.step)
         if loss is None and "logging.jsonl" in entries:
-            jsonl = _jsonl_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
+            jsonl = logged_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
             loss = max(((s, l) for s, l in jsonl.items() if s <= v.step), default=(0, None))[1]
         yield v.to_info(str(merged) if merged and merged.is_dir() else None, loss)
 

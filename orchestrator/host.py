@@ -9,6 +9,7 @@ durations (hang detection, waits), so a wall-clock step never fakes a hang or cu
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ class Host(Protocol):
     def kill(self, pids: list[int]) -> None: ...
     def dump_stacks(self, root_pid: int, out: Path) -> None: ...
     def read_tail(self, path: Path) -> str: ...
+    def newest_write(self, output_dir: Path) -> float | None:
+        """Wall time of the newest file write under output_dir's checkpoint directories (a save in progress)."""
 
     # --- resources
     def gpu_snapshot(self) -> GpuSnapshot: ...
@@ -99,6 +102,18 @@ class LocalHost:
 
     def read_tail(self, path: Path) -> str:
         return launcher.read_tail(path)
+
+    def newest_write(self, output_dir: Path) -> float | None:
+        newest = None
+        for d in Path(output_dir).glob("checkpoint-*"):
+            for root, _dirs, files in os.walk(d):
+                for f in files:
+                    try:
+                        m = os.stat(os.path.join(root, f)).st_mtime
+                    except OSError:
+                        continue
+                    newest = m if newest is None else max(newest, m)
+        return newest
 
     def gpu_snapshot(self) -> GpuSnapshot:
         return self.gpus.snapshot()

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.checkpoints import CKPT_RE, MERGED_RE
+from orchestrator.checkpoints import CKPT_RE, MERGED_RE, step_of
 from orchestrator.manifest import read_manifest
 from orchestrator.recipe import RecipeError
 
@@ -40,8 +40,6 @@ def owned(manifest: Mapping | None, recipe_hash: str | None) -> bool:
     return manifest is not None and manifest.get("recipe_hash") == recipe_hash
 
 
-def step_of(name: str) -> int:
-    return int(name.split("-")[1])
 
 
 def copies_in(d: str | os.PathLike) -> dict[str, dict | None]:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator import checkpoints, manifest, retention
+from orchestrator.checkpoints import step_of
 from orchestrator.journal import Journal
 from orchestrator.metrics import Metrics
 from orchestrator.recipe import Recipe
@@ -85,15 +86,15 @@ class RunCheckpoints:
                 self.metrics.alert(Alert.CHECKPOINT_INVALID, not ok)
 
     def newest_good_step(self) -> int:
-        return max((_step(p) for p, ok in self.seen.items() if ok), default=-1)
+        return max((step_of(p) for p, ok in self.seen.items() if ok), default=-1)
 
     def forget_after(self, step: int) -> None:
         """A new attempt rewrites every checkpoint after its resume point, in place: until a rewrite's
         completeness marker is newer than now, such a directory still holds the old save (complete-looking
         while half rewritten), so it is not verified; once rewritten, it is verified afresh."""
-        self.seen = {p: ok for p, ok in self.seen.items() if _step(p) <= step}
+        self.seen = {p: ok for p, ok in self.seen.items() if step_of(p) <= step}
         self.stale = {str(d): _marker_mtime(d) for d in self.out.glob("checkpoint-*")
-                      if checkpoints.CKPT_RE.fullmatch(d.name) and _step(str(d)) > step}
+                      if checkpoints.CKPT_RE.fullmatch(d.name) and step_of(str(d)) > step}
 
     def resume_point(self) -> Resume | None:
         best = None
@@ -117,9 +118,9 @@ class RunCheckpoints:
         rows = [c for c in self.journal.checkpoints() if c["ok"]]
         wanted = retain({c["step"]: c["loss"] for c in rows}, self.recipe.checkpoint.keep_persistent)
         synced = {c["step"] for c in rows if c["synced_at"]}
-        local = [retention.Local(_step(p), p, True, ok, _step(p) in synced,
-                                 p + "-merged" if os.path.isdir(p + "-merged") else None, _step(p) not in wanted)
-                 for p, ok in self.seen.items() if os.path.isdir(p)]
+        local = [retention.Local(s, p, True, ok, s in synced, p + "-merged" if os.path.isdir(p + "-merged") else None,
+                                 s not in wanted)
+                 for p, ok in self.seen.items() if os.path.isdir(p) and (s := step_of(p)) is not None]
         if not writing:
             local += [retention.Local(i.step, i.path, False, False, False) for i in
                       checkpoints.scan(self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys())
@@ -146,7 +147,7 @@ class RunCheckpoints:
         hold poisoned weights: move them out of the resume path, keeping the data for a person."""
         for d in sorted(self.out.glob("checkpoint-*")):
             m = checkpoints.CKPT_RE.fullmatch(d.name) or checkpoints.MERGED_RE.fullmatch(d.name)
-            if m and int(m.group(1)) >= nan_step:
+            if m and step_of(d) >= nan_step:
                 target = d.with_name(f"{d.name}.nan-attempt-{attempt_n}")
                 d.rename(target)
                 self.seen.pop(str(d), None)
@@ -160,12 +161,12 @@ class RunCheckpoints:
         maybe unfinished, directory of that name, which the stale link would vouch for."""
         link = self.out / "last-checkpoint"
         try:
-            if _step(os.readlink(link)) < below:
+            if step_of(os.readlink(link)) < below:
                 return
         except (OSError, ValueError, IndexError):
             return
         kept = sorted((d for d in self.out.glob("checkpoint-*") if checkpoints.CKPT_RE.fullmatch(d.name)
-                       and _step(str(d)) < below), key=lambda d: _step(str(d)))
+                       and step_of(str(d)) < below), key=step_of)
         if kept:
             tmp = link.with_name("last-checkpoint.orchestrator-tmp")
             tmp.unlink(missing_ok=True)
@@ -198,6 +199,3 @@ def _marker_mtime(path: Path) -> float | None:
             pass
     return max(times, default=None)
 
-
-def _step(checkpoint_path: str) -> int:
-    return int(Path(checkpoint_path).name.split("-")[1])

@@ -301,6 +301,8 @@ class Supervisor:
             return State.GAVE_UP
         hang = policy.hang_verdict(mono, a.launched.started_mono, a.last_step_mono, s.hang_timeout_s,
                                    s.startup_timeout_s)
+        if hang and self._saving(now):
+            hang = None
         if hang:
             a.hang_at = now
             self.host.dump_stacks(a.launched.pid, self.state_dir / f"stacks-{a.n:04d}.txt")
@@ -396,6 +398,12 @@ class Supervisor:
                 break
             self._pass_done()
         return True
+
+    def _saving(self, now: float) -> bool:
+        """A save is no hang: at 397B a merged copy takes half an hour to write, and no step is logged meanwhile.
+        Checked only once the hang timer has run out."""
+        last = self.host.newest_write(self.out)
+        return last is not None and now - last < self.recipe.supervisor.hang_timeout_s
 
     def _drain(self, a: AttemptWatch) -> None:
         """Read everything an exited trainer wrote (log, logging.jsonl, checkpoints) before recording it."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from orchestrator import checkpoints as ck
 from orchestrator import manifest as mf
 from orchestrator.copytree import copy_tree, same_file
-from orchestrator.published import copies_in, owned, step_of
+from orchestrator.published import copies_in, owned
 
 log = logging.getLogger(__name__)
 LOCK = ".orchestrator-sync.lock"
@@ -180,7 +180,7 @@ def _published(persistent: Path) -> dict[str, dict | None]:
     return copies_in(persistent)
 
 
-_step = step_of
+
 
 
 def foreign_problem(path: Path, manifest: Mapping | None, recipe_hash: str | None) -> str:
@@ -190,7 +190,7 @@ def foreign_problem(path: Path, manifest: Mapping | None, recipe_hash: str | Non
 
 
 def _losses(pub: Mapping[str, Mapping | None]) -> dict[int, float | None]:
-    return {_step(n): (m or {}).get("loss") for n, m in pub.items() if ck.CKPT_RE.fullmatch(n)}
+    return {ck.step_of(n): (m or {}).get("loss") for n, m in pub.items() if ck.CKPT_RE.fullmatch(n)}
 
 
 def _local_manifest(path: Path, step: int, recipe_hash: str | None, loss: float | None) -> dict:
@@ -255,8 +255,8 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                     continue
                 if same_content(m, pub.get(src.name)):
                     continue
-                prev = [n for n in pub if ck.CKPT_RE.fullmatch(n) and pub[n] and _step(n) < s]
-                link = persistent / max(prev, key=_step) if prev and src == dirs[0] else None
+                prev = [n for n in pub if ck.CKPT_RE.fullmatch(n) and pub[n] and ck.step_of(n) < s]
+                link = persistent / max(prev, key=ck.step_of) if prev and src == dirs[0] else None
                 n, why = _publish(src, persistent, m, link, opts)
                 if why and why.startswith("persistent_dir") and _prune_for_space(persistent, pub, wanted, deleted):
                     n, why = _publish(src, persistent, m, link, opts)
@@ -270,7 +270,7 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                     pub[src.name] = m
         kept = retain(_losses(pub), keep)
         for n in sorted(pub):
-            if _step(n) not in kept:
+            if ck.step_of(n) not in kept:
                 _remove(persistent / n)
                 deleted.append(n)
         newest_pub, newest_local = max(kept, default=None), max(local, default=None)
@@ -289,9 +289,9 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
 
 def _prune_for_space(persistent: Path, pub: dict, wanted: set[int], deleted: list[str]) -> bool:
     """Drop published copies that retention will drop anyway (never the newest); True if any went."""
-    steps = [_step(n) for n in pub if ck.CKPT_RE.fullmatch(n)]
+    steps = [ck.step_of(n) for n in pub if ck.CKPT_RE.fullmatch(n)]
     newest = max(steps, default=None)
-    gone = [n for n in list(pub) if _step(n) not in wanted and _step(n) != newest]
+    gone = [n for n in list(pub) if ck.step_of(n) not in wanted and ck.step_of(n) != newest]
     for n in gone:
         _remove(persistent / n)
         deleted.append(n)
@@ -317,7 +317,7 @@ def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, st
         pub = _published(persistent)
     except OSError as e:
         raise SyncError(f"cannot read persistent_dir {persistent}: {e.strerror or e}") from e
-    steps = sorted(_step(n) for n in pub if ck.CKPT_RE.fullmatch(n))
+    steps = sorted(ck.step_of(n) for n in pub if ck.CKPT_RE.fullmatch(n))
     step = steps[-1] if step is None and steps else step
     if step not in steps:
         raise SyncError(f"no published checkpoint-{step} in {persistent} (published: {steps})")

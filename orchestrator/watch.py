@@ -10,22 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import progress
+from orchestrator.checkpoints import logged_losses
 from orchestrator.launcher import FileTail, Launched
 from orchestrator.types import Attempt, Crash, Decision, Progress, Resume
-
-
-def logged_losses(jsonl: Path) -> dict[int, float]:
-    """step -> loss from a logging.jsonl (appended across attempts: the last record per step wins)."""
-    out: dict[int, float] = {}
-    try:
-        with open(jsonl, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                p = progress.parse_jsonl_line(line)
-                if p is not None and p.loss is not None:
-                    out[p.step] = p.loss
-    except OSError:
-        pass
-    return out
 
 
 def finished_record(jsonl_line: str) -> bool:

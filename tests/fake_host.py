@@ -52,6 +52,7 @@ class FakeHost:
     calls: list[tuple] = field(default_factory=list)
     trainers: list[FakeTrainer] = field(default_factory=list)
     on_wait: object = None   # callable(host, seconds): the world moves while the loop waits
+    last_write: float | None = None   # wall time of the newest checkpoint file write (a save in progress)
 
     # --- clock
     def now(self) -> float:
@@ -118,6 +119,10 @@ class FakeHost:
 
     def read_tail(self, path: Path) -> str:
         return Path(path).read_text()
+
+    def newest_write(self, output_dir: Path) -> float | None:
+        self.calls.append(("newest_write",))
+        return self.last_write
 
     # --- resources
     def gpu_snapshot(self) -> GpuSnapshot:

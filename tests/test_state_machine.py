@@ -178,6 +178,16 @@ def _silent(sup, host, t):
     host.mono += 601               # then nothing for longer than hang_timeout_s
 
 
+def _silent_while_saving(sup, host, t):
+    _silent(sup, host, t)
+    host.last_write = host.now() - 10   # but a checkpoint file was written 10 s ago: a long save, not a hang
+
+
+def _silent_after_a_save(sup, host, t):
+    _silent(sup, host, t)
+    host.last_write = host.now() - 700  # the last write is older than hang_timeout_s too
+
+
 def _no_first_step(sup, host, t):
     host.mono += 1801              # startup_timeout_s without a step
 
@@ -198,6 +208,8 @@ def _progressing(sup, host, t):
     (_killed, State.CRASHED, CrashClass.HOST_OOM_KILLED, []),
     (_nan, State.CRASHED, CrashClass.NAN_LOSS, []),
     (_silent, State.CRASHED, CrashClass.NCCL_TIMEOUT_HANG, ["dump_stacks"]),
+    (_silent_while_saving, State.RUNNING, None, ["newest_write"]),
+    (_silent_after_a_save, State.CRASHED, CrashClass.NCCL_TIMEOUT_HANG, ["dump_stacks"]),
     (_no_first_step, State.CRASHED, CrashClass.NCCL_TIMEOUT_HANG, ["dump_stacks"]),
     (_stop, State.STOPPING, None, []),
     (_progressing, State.RUNNING, None, []),
