@@ -94,6 +94,7 @@ def run(quick: bool = False, repeat: int = 2, workdir: str | None = None) -> lis
         cmd = render_command(load(DEMO, over), None, 29690)
         argv, env = launcher.resolve(cmd.argv), {**os.environ, **cmd.env}
         files = pagecache.weight_files(model["model"])
+        size = sum(f.stat().st_size for f in files)
         first_step_s(argv, env, work / "prime")  # builds the datasets cache, as the first attempt does
         times: dict[str, list[float]] = {"cold": [], "warm": []}
         how = ""
@@ -110,7 +111,6 @@ def run(quick: bool = False, repeat: int = 2, workdir: str | None = None) -> lis
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     cold, warm = statistics.median(times["cold"]), statistics.median(times["warm"])
-    size = sum(f.stat().st_size for f in files) if files else 0
     return [{"name": "launch -> first step, cold / page cache warmed (ratio of medians)",
              "measured": round(cold / warm, 3), "unit": "x", "target": "-", "pass": True,
              "detail": {"cold_s": [round(t, 2) for t in times["cold"]], "warm_s": [round(t, 2) for t in times["warm"]],
