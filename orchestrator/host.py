@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from orchestrator import gpu, launcher
+from orchestrator import gpu, launcher, pagecache, shm
 from orchestrator.host_probe import free_gib, port_free
 from orchestrator.types import Command, ExitStatus, GpuSnapshot
 
@@ -59,13 +59,24 @@ class Host(Protocol):
     def gpu_snapshot(self) -> GpuSnapshot: ...
     def port_free(self, port: int) -> bool: ...
     def free_gib(self, path: str) -> float: ...
+    def shm_segments(self, run_id: str) -> dict[str, list[int]]:
+        """The run's NCCL shared-memory segments in /dev/shm, each with the live pids mapping or holding it."""
+    def remove_shm(self, names: list[str]) -> None:
+        """Unlink segments nobody maps any more (what a SIGKILLed NCCL never got to unlink)."""
+    def warm_page_cache(self, files: list[Path]) -> None:
+        """Start reading `files` into the page cache in the background (bounded by available memory)."""
+    def stop_warming(self) -> int:
+        """Stop the warm-up; returns the bytes it asked the kernel to read."""
 
 
 class LocalHost:
     """This machine: today's launcher, NVML reader, sockets and statvfs."""
 
-    def __init__(self, gpu_reader: gpu.GpuReader) -> None:
+    def __init__(self, gpu_reader: gpu.GpuReader, shm_dir: str = shm.SHM_DIR) -> None:
         self.gpus = gpu_reader
+        self.shm_dir = shm_dir
+        self.first_launch: dict[str, float] = {}   # run id -> wall time of its first launch here
+        self.warmer: pagecache.Warmer | None = None
 
     def now(self) -> float:
         return time.time()
@@ -80,6 +91,8 @@ class LocalHost:
         return trainer.exited.wait(max(0.0, timeout_s))
 
     def launch(self, cmd: Command, log_path: Path, run_id: str, cwd: str) -> launcher.Launched:
+        self.stop_warming()  # the trainer's own reads come first
+        self.first_launch.setdefault(run_id, time.time())
         return launcher.launch(cmd, log_path, run_id, cwd=cwd)
 
     def terminate(self, run_id: str, pgids: set[int], grace_s: float) -> list[int]:
@@ -123,3 +136,19 @@ class LocalHost:
 
     def free_gib(self, path: str) -> float:
         return free_gib(path)
+
+    def shm_segments(self, run_id: str) -> dict[str, list[int]]:
+        return shm.run_segments(self.shm_dir, {p.pid for p in launcher.run_processes(run_id)},
+                                self.first_launch.get(run_id))
+
+    def remove_shm(self, names: list[str]) -> None:
+        shm.remove(self.shm_dir, names)
+
+    def warm_page_cache(self, files: list[Path]) -> None:
+        self.stop_warming()
+        self.warmer = pagecache.Warmer(files)
+        self.warmer.start()
+
+    def stop_warming(self) -> int:
+        w, self.warmer = self.warmer, None
+        return w.stop() if w else 0

@@ -104,3 +104,41 @@ def resume_verdict(resume_step: int, first_step: int, first_loss: float | None, 
             return (f"loss at step {first_step} is {first_loss:.6g} after resume, {earlier_loss:.6g} before "
                     f"(tolerance {tolerance:.0%})")
     return None
+
+
+READY_POLL_S = 0.25   # how often a verified wait looks again: a relaunch is late by at most this
+
+
+@dataclass(frozen=True)
+class Readiness:
+    go: bool                    # relaunch now (all clear past the floor, or the upper bound reached)
+    waiting_for: tuple[str, ...]  # what is not clear yet (at go: what the bound cut short, if anything)
+    recheck_s: float = 0.0      # when not go: look again after this long
+
+
+def settle_floor(cls: CrashClass, cfg: SupervisorSection) -> float:
+    """The minimum wait of a verified wait: nccl_settle_s after nccl_* classes (CUDA IPC handles
+    held in a peer's driver state are not visible to any check), none otherwise."""
+    return cfg.nccl_settle_s if cls in _NCCL else 0.0
+
+
+def readiness_verdict(elapsed_s: float, floor_s: float, bound_s: float, leftovers: list[int],
+                      gpu_problems: list[str], shm_held: dict[str, list[int]], port_free: bool) -> Readiness:
+    """May the next attempt start? What the field's fixed 90 s guesses at, checked: every process
+    of the run gone (re-parented ones included), GPU memory released on the run's GPUs, the run's
+    NCCL shared-memory segments unmapped, a free rendezvous port; and at least `floor_s` waited.
+    Never longer than `bound_s` (supervisor.wait_s, + nccl_settle_s): VERIFYING still refuses busy GPUs
+    and the launch still takes only a free port."""
+    blocking = ([f"{len(leftovers)} process(es) of the run still alive (pids {', '.join(map(str, leftovers[:5]))})"]
+                if leftovers else [])
+    blocking += [f"GPU: {p}" for p in gpu_problems]
+    blocking += [f"shm {name} still mapped by pid {', '.join(map(str, pids))}" for name, pids in sorted(shm_held.items())]
+    blocking += [] if port_free else ["no free rendezvous port in port_range"]
+    if elapsed_s >= bound_s:
+        return Readiness(True, tuple(blocking))
+    if not blocking and elapsed_s >= floor_s:
+        return Readiness(True, ())
+    left = bound_s - elapsed_s
+    if not blocking:  # only the floor holds it back: wake exactly at the floor
+        return Readiness(False, (f"nccl settle floor {floor_s:g} s",), min(floor_s - elapsed_s, left))
+    return Readiness(False, tuple(blocking), min(READY_POLL_S, left))

@@ -191,7 +191,8 @@ class EnvSection(_Section):
 
 
 class SupervisorSection(_Section):
-    wait_s: float = Field(default=90, ge=0)
+    wait_s: float = Field(default=90, ge=0)           # "verified": the upper bound; "fixed": the wait
+    wait: Literal["verified", "fixed"] = "verified"   # relaunch once ready (policy.readiness_verdict) / after wait_s
     force_wait_s: float = Field(default=120, ge=0)
     grace_s: float = Field(default=30, ge=0)          # SIGTERM -> SIGKILL
     nccl_settle_s: float = Field(default=30, ge=0)    # extra wait after nccl_* for IPC cleanup

@@ -30,7 +30,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator import classify, gpu, plan, policy
+from orchestrator import classify, gpu, pagecache, plan, policy
 from orchestrator.host import Host, LocalHost
 from orchestrator.host_probe import first_free_port
 from orchestrator.journal import Journal, journal_path
@@ -360,9 +360,22 @@ class Supervisor:
         return State.BACKOFF if a.decision.backoff_s else State.WAITING
 
     def _wait(self) -> State:
-        d, started = self.attempt.decision, self.host.now()
-        if self._sleep(d.wait_s + d.backoff_s):
+        """`supervisor.wait = "verified"`: relaunch as soon as the run's processes, GPU memory, NCCL
+        segments and a port are clear (wait_s the upper bound, nccl_settle_s the floor after nccl_*);
+        "fixed": wait_s, the field's blind wait. A crash-loop backoff is always waited in full.
+        The weight files are read into the page cache meanwhile."""
+        a, s, started = self.attempt, self.recipe.supervisor, self.host.now()
+        d, mono = a.decision, self.host.monotonic()
+        verified = s.wait == "verified" and d.action is Action.RELAUNCH
+        self.host.warm_page_cache(pagecache.weight_files(self.recipe.model.path))
+        if self._sleep(d.backoff_s if verified else d.wait_s + d.backoff_s):
             return State.STOPPED
+        waited_for: tuple[str, ...] = ()
+        if verified:
+            ready = self._await_ready(policy.settle_floor(a.crash.cls, s), d.wait_s)
+            if ready is None:
+                return State.STOPPED
+            waited_for = ready.waiting_for
         if d.action is Action.WAIT_FOR_SPACE:
             self.checkpoints.retry_manifests()  # a full disk refused them; unpublished copies wait for them
             self.checkpoints.prune(self.keep_local, pressure=True, writing=False)  # torn saves, what was published
@@ -373,8 +386,32 @@ class Supervisor:
                 return State.WAITING
             self.metrics.alert(Alert.DISK_FULL, False)
         self.journal.span(started, self.host.now(), "backoff" if d.backoff_s else "wait")
+        took = self.host.monotonic() - mono
+        self.journal.event("wait", f"{'verified' if verified else 'fixed'} wait {took:.2f} s"
+                           + (f" (upper bound reached; still: {'; '.join(waited_for)})" if waited_for else ""),
+                           mode="verified" if verified else "fixed", seconds=round(took, 3),
+                           bound_s=d.wait_s, backoff_s=d.backoff_s, not_clear=list(waited_for))
         self._pass_done()
         return State.VERIFYING
+
+    def _await_ready(self, floor_s: float, bound_s: float) -> policy.Readiness | None:
+        """Poll the host until policy.readiness_verdict says go; None when a stop cut it short."""
+        begun, lo, hi = self.host.monotonic(), *self.recipe.supervisor.port_range
+        while True:
+            shm = self.host.shm_segments(self.run_id)
+            orphans = sorted(n for n, pids in shm.items() if not pids)
+            if orphans:  # left by a SIGKILLed rank: no wait frees them, nobody maps them
+                self.host.remove_shm(orphans)
+                self.journal.event("cleanup", f"removed {len(orphans)} NCCL shm segment(s) nobody maps", names=orphans)
+            gpu_problems = self._gpu_verdict(self.host.gpu_snapshot())[1] if self.recipe.gpu.check else []
+            ready = policy.readiness_verdict(
+                self.host.monotonic() - begun, floor_s, bound_s, self.host.leftovers(self.run_id), gpu_problems,
+                {n: pids for n, pids in shm.items() if pids},
+                first_free_port(lo, hi, is_free=self.host.port_free) is not None)
+            if ready.go:
+                return ready
+            if self._sleep(ready.recheck_s):
+                return None
 
     def _stop(self) -> State:
         a = self.attempt

@@ -53,6 +53,8 @@ class FakeHost:
     trainers: list[FakeTrainer] = field(default_factory=list)
     on_wait: object = None   # callable(host, seconds): the world moves while the loop waits
     last_write: float | None = None   # wall time of the newest checkpoint file write (a save in progress)
+    shm: dict[str, list[int]] = field(default_factory=dict)        # the run's NCCL segments -> pids mapping them
+    warming: list[Path] | None = None                              # files being read into the page cache
 
     # --- clock
     def now(self) -> float:
@@ -79,6 +81,7 @@ class FakeHost:
 
     # --- processes
     def launch(self, cmd: Command, log_path: Path, run_id: str, cwd: str) -> FakeTrainer:
+        self.stop_warming()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.touch()
         t = FakeTrainer(4000 + len(self.trainers), self.now(), log_path, self.now(), self.mono, cmd)
@@ -138,6 +141,26 @@ class FakeHost:
     def free_gib(self, path: str) -> float:
         self.calls.append(("free_gib", path))
         return self.free
+
+    def shm_segments(self, run_id: str) -> dict[str, list[int]]:
+        self.calls.append(("shm_segments",))
+        return {k: list(v) for k, v in self.shm.items()}
+
+    def remove_shm(self, names: list[str]) -> None:
+        self.calls.append(("remove_shm", tuple(names)))
+        for n in names:
+            self.shm.pop(n, None)
+
+    def warm_page_cache(self, files: list[Path]) -> None:
+        self.calls.append(("warm_page_cache", len(files)))
+        self.warming = list(files)
+
+    def stop_warming(self) -> int:
+        if self.warming is None:
+            return 0
+        self.calls.append(("stop_warming",))
+        self.warming = None
+        return 1
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]

@@ -26,7 +26,7 @@ from orchestrator.published import publish_dir
 from orchestrator.recipe import load
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import CrashClass, ExitCode, State
-from supervised import attempts, free_port_range
+from supervised import attempts, events, free_port_range
 
 pytestmark = [pytest.mark.swift,
               pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")]
@@ -74,10 +74,18 @@ def test_sigkill_mid_run_resumes_with_the_same_loss(tiny, tmp_path):
     assert sorted(reference) == list(range(1, 31))
 
     run = tmp_path / "run"
-    sup = Supervisor(recipe(tiny, run), install_signals=False)
+    cache = json.dumps(str(tmp_path / "modelscope"))  # a cache of its own: the first start preprocesses
+    sup = Supervisor(recipe(tiny, run, f"env.vars.MODELSCOPE_CACHE={cache}"), install_signals=False)
     inject_kill(sup, 13)
     assert sup.run() == ExitCode.OK
     runs = attempts(run / "out")
+    preprocessing = ("Generating train split", "Map (num_proc")  # datasets' load and map progress bars
+    first, second = (Path(a.log_path).read_text() for a in runs)
+    assert all(p in first for p in preprocessing)
+    assert not any(p in second for p in preprocessing), \
+        "--load_from_cache_file true: the relaunch reads the datasets map cache, no preprocessing"
+    waits = [e for e in events(run / "out", "wait")]
+    assert waits and waits[0]["data"]["mode"] == "verified" and waits[0]["data"]["seconds"] < 0.5
     assert [a.cls for a in runs] == [CrashClass.HOST_OOM_KILLED, None]
     assert runs[0].signal == signal.SIGKILL or runs[0].exit_code in (137, -9)
     assert runs[1].resumed_from == str(run / "out" / "checkpoint-10")

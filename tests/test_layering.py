@@ -22,7 +22,7 @@ LAYERS = {
                   "retention", "storage"},
     "world": {"host", "launcher", "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
               "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe",
-              "published"},
+              "published", "shm", "pagecache"},
     "loop": {"supervisor"},
     "operations": {"cli", "report", "html_report", "demo", "service", "tiny", "__main__"},
 }

@@ -304,13 +304,99 @@ def test_cleaning_in_a_crash_loop_backs_off(world):
 
 
 # --- WAITING / BACKOFF ----------------------------------------------------------------------------
-def test_waiting_lasts_wait_s_of_the_clock_then_verifies(world):
-    sup, host = world()
+def test_a_fixed_wait_lasts_wait_s_of_the_clock_then_verifies(world):
+    sup, host = world(supervisor={"wait": "fixed"})
     crashed(sup, host, OOM)
     sup.step(), sup.step()
     before = host.mono
     assert sup.step() is State.VERIFYING
     assert host.mono - before == pytest.approx(90)
+    assert "shm_segments" not in host.names(), "fixed: the field's blind wait, nothing checked"
+
+
+NCCL_LINES = ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error "
+              "(run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5",
+              "ncclUnhandledCudaError: Call to CUDA function failed.")
+
+
+def _clears_after(t_clear: float, what: str):
+    """The world: `what` (leftover / gpu / shm / port) stays until the fake clock passes t_clear."""
+    def world_moves(h: FakeHost, _s: float) -> None:
+        if h.mono < t_clear:
+            return
+        h.leftover_pids, h.holders, h.taken_ports = [], {}, set()
+        h.shm = {n: [] for n in h.shm}  # unmapped: an orphan the supervisor removes
+    return world_moves
+
+
+@pytest.mark.parametrize("what, lines, clears_at, waited", [
+    ("nothing", (OOM,), None, 0.0),                       # all clear: the wait ends at once
+    ("leftover", (OOM,), 7.0, 7.0),                       # a re-parented process of the run still alive
+    ("gpu", (OOM,), 12.0, 12.0),                          # GPU memory not yet released
+    ("shm", (OOM,), 3.0, 3.0),                            # an NCCL segment still mapped
+    ("port", (OOM,), 5.0, 5.0),                           # no free rendezvous port
+    ("leftover", (OOM,), 500.0, 90.0),                    # never clears: never longer than wait_s
+    ("nothing", NCCL_LINES, None, 30.0),                  # nccl_*: the nccl_settle_s floor
+    ("gpu", NCCL_LINES, 40.0, 40.0),                      # nccl_*: past the floor, until clear
+])
+def test_a_verified_wait_ends_when_the_run_is_gone(world, what, lines, clears_at, waited):
+    sup, host = world(gpu={"check": True})
+    crashed(sup, host, *lines)
+    sup.step(), sup.step()
+    if what == "leftover":
+        host.leftover_pids = [777]
+    elif what == "gpu":
+        host.holders = {0: [888]}
+    elif what == "shm":
+        host.shm = {"nccl-AbC123": [999]}
+    elif what == "port":
+        host.taken_ports = set(range(29500, 29510))
+    if clears_at is not None:
+        host.on_wait = _clears_after(clears_at, what)
+    before = host.mono
+    assert sup.step() is State.VERIFYING
+    assert host.mono - before == pytest.approx(waited, abs=0.26)  # polled every READY_POLL_S
+    ev = [e for e in journal(sup).events(200) if e["kind"] == "wait"][-1]
+    assert ev["data"]["mode"] == "verified" and ev["data"]["seconds"] == pytest.approx(waited, abs=0.26)
+    assert bool(ev["data"]["not_clear"]) == (clears_at == 500.0), "the bound says what was still not clear"
+    if what == "shm":
+        assert ("remove_shm", ("nccl-AbC123",)) in host.calls and not host.shm
+    spans = [k for _, _, k in journal(sup).spans()]
+    assert "wait" in spans
+
+
+def test_a_verified_wait_warms_the_page_cache_until_the_trainer_starts(world):
+    sup, host = world()
+    crashed(sup, host, OOM)
+    sup.step(), sup.step()
+    sup.step()
+    assert host.warming is not None and ("warm_page_cache", 1) in host.calls
+    drive(sup, State.RUNNING)
+    assert host.warming is None and "stop_warming" in host.names()
+
+
+def test_a_stop_cuts_a_verified_wait_short(world):
+    sup, host = world()
+    crashed(sup, host, OOM)
+    sup.step(), sup.step()
+    host.leftover_pids = [777]
+    host.on_wait = lambda h, s: sup.request_stop("operator") if h.mono > 10 else None
+    before = host.mono
+    assert sup.step() is State.STOPPED
+    assert host.mono - before < 11
+
+
+def test_a_backoff_is_waited_in_full_before_the_readiness_checks(world):
+    sup, host = world(supervisor={"max_crashes_per_hour": 1})
+    for _ in range(2):
+        crashed(sup, host, OOM)
+        sup.step()
+        if sup.step() is State.WAITING:
+            drive(sup, State.RUNNING)
+    backoff = sup.attempt.decision.backoff_s
+    before = host.mono
+    assert sup.step() is State.VERIFYING
+    assert host.mono - before == pytest.approx(backoff, abs=0.01)
 
 
 def test_waiting_for_disk_space(world):
@@ -324,7 +410,7 @@ def test_waiting_for_disk_space(world):
 
 
 def test_a_stop_cuts_a_wait_short(world):
-    sup, host = world()
+    sup, host = world(supervisor={"wait": "fixed"})
     crashed(sup, host, OOM)
     sup.step(), sup.step()
     host.on_wait = lambda h, s: sup.request_stop("operator") if h.mono > 30 else None

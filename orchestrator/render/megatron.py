@@ -35,6 +35,8 @@ def arguments(r: Recipe, resume: Resume | None) -> list[str]:
         ("dataset", d.dataset), ("val_dataset", d.val_dataset or None), ("max_length", d.max_length),
         ("packing", d.packing), ("split_dataset_ratio", d.split_dataset_ratio),
         ("dataset_num_proc", d.dataset_num_proc), ("dataloader_num_workers", d.dataloader_num_workers),
+        # a relaunch reuses the datasets map cache (~/.cache/modelscope/datasets): no preprocessing again
+        ("load_from_cache_file", True),
         ("micro_batch_size", o.micro_batch_size), ("global_batch_size", o.global_batch_size),
         ("num_train_epochs", None if o.epochs is None else int(o.epochs)),  # an int in megatron sft
         ("train_iters", o.iterations),

@@ -20,6 +20,8 @@ def arguments(r: Recipe, resume: Resume | None) -> list[str]:
         ("dataset", d.dataset), ("val_dataset", d.val_dataset or None), ("max_length", d.max_length),
         ("packing", d.packing), ("split_dataset_ratio", d.split_dataset_ratio),
         ("dataset_num_proc", d.dataset_num_proc), ("dataloader_num_workers", d.dataloader_num_workers),
+        # a relaunch reuses the datasets map cache (~/.cache/modelscope/datasets): no preprocessing again
+        ("load_from_cache_file", True),
         ("per_device_train_batch_size", o.micro_batch_size), ("gradient_accumulation_steps", accumulation),
         ("num_train_epochs", o.epochs), ("max_steps", o.iterations),
         ("learning_rate", o.lr), ("warmup_ratio", o.warmup_fraction), ("seed", o.seed),
