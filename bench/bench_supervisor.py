@@ -42,7 +42,15 @@ import psutil  # noqa: E402
 from orchestrator import supervisor as supmod  # noqa: E402
 from orchestrator.recipe import load  # noqa: E402
 from orchestrator.types import ExitCode  # noqa: E402
-from supervised import FAKE, events, write_recipe  # noqa: E402
+from supervised import FAKE, events, fake_recipe  # noqa: E402
+
+
+def write_recipe(work: Path, persistent: bool = True, backend: str = "megatron", **kw) -> Path:
+    """The fake-trainer recipe, optionally without a persistent_dir, or for the swift backend (1 rank)."""
+    sections = {"run": {"backend": backend, **({} if persistent else {"persistent_dir": ""})}}
+    if backend == "swift":
+        sections["parallel"] = {"nproc_per_node": 1, "expert": 1}
+    return fake_recipe(work, **kw, **sections)
 
 # `bench/run_all.py --quick` and tests/test_bench_smoke.py call run(**QUICK).
 QUICK = {"quick": True}
