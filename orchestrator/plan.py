@@ -100,7 +100,7 @@ def check_publish(r: Recipe, b: storage.StorageBudget, write_bytes_per_s: float 
     need, speed = b.publish_bytes_per_s, write_bytes_per_s or 0.0
     wrote = f"wrote {speed / 2**20:,.0f} MiB/s" if write_bytes_per_s else f"not measured: {probe}"
     detail = (f"{storage.gib(b.published_per_save_bytes)} per save every {b.save_interval_s / 60:.0f} min "
-              f"({r.checkpoint.save_steps} steps x {b.step_time_s:g} s, {b.step_time_source}) needs "
+              f"({round(b.save_interval_s / b.step_time_s)} steps x {b.step_time_s:g} s, {b.step_time_source}) needs "
               f"{need / 2**20:,.0f} MiB/s; {r.run.persistent_dir} {wrote}")
     ok = speed >= need
     return Check("publish_throughput", ok, detail if ok else f"{detail}: raise checkpoint.save_steps, set "
@@ -139,7 +139,7 @@ def check_port(r: Recipe) -> Check:
 def check_trainer(r: Recipe) -> Check:
     """argv[0] of the rendered command exists and is executable, found as the launch will find it
     (else the launch fails with no exit status to classify, and a restart fails the same way)."""
-    cmd = render_command(r, None, r.supervisor.port_range[0])
+    cmd = render_command(r, None, r.supervisor.port_range[0], save_steps=1)  # argv[0] is all this reads
     name = cmd.argv[0]
     exe = launcher.locate(name, cmd.env.get("PATH", os.environ.get("PATH")), r.run.output_dir)
     if exe:
