@@ -25,7 +25,7 @@ _CKPT_STEP = re.compile(r"checkpoint-(\d+)(?:-merged)?/*$")
 
 def saved_step(line: str) -> int | None:
     """The step of the checkpoint a save line names (checkpoint-N or checkpoint-N-merged), else None."""
-    if "aved" not in line:  # most lines: a C substring test instead of a regex scan
+    if "checkpoint-" not in line:  # most lines: a C substring test instead of a regex scan
         return None
     m = SAVE_LINE.search(line)
     if not m:
