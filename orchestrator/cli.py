@@ -78,6 +78,8 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool, no_probe: bool
     for note in m["notes"]:
         click.echo(f"#   note: {note}")
     _print_storage(p["storage"])
+    si = p["save_interval"]
+    click.echo(f"# save interval: {si['steps']} steps ({si['mode']}): {si['reason']}")
     click.echo("# pre-flight checks")
     for c in p["checks"]:
         click.echo(f"  [{'ok' if c['ok'] else 'NOT OK'}] {c['name']}: {c['detail']}")
@@ -161,6 +163,7 @@ def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
     r = load_recipe(path, ())
     click.echo(f"wrote the demo recipe to {path}")
     click.echo(f"running {r.run.name}: {r.optim.iterations} steps, checkpoint every {r.checkpoint.save_steps}"
+               + (" (chosen at each launch)" if r.checkpoint.save_steps == "auto" else "")
                + (f"; a SIGKILL will hit the trainer once it reaches step {crash_at}" if crash_at else ""))
     started: list = []
 
