@@ -251,6 +251,7 @@ class Supervisor:
             self.journal.event("save_interval", f"attempt {n}: {choice.reason}", **choice.as_dict(),
                                **({"node_history_unwritten": unwritten} if unwritten else {}))
         self.metrics.save_interval(save_steps)
+        self.journal.put(save_interval=save_steps)  # status, history, the report
 
         def measured(kind: str, seconds: float, details: dict) -> None:
             (self.metrics.startup_cost if kind == "startup" else self.metrics.save_cost)(seconds)
