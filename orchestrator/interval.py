@@ -2,8 +2,9 @@
 
 Young/Daly: with a save costing C seconds and failures arriving every M seconds on average, saving every
 T = sqrt(2 C M) seconds minimises the expected loss per unit of time, C/T (writing checkpoints) +
-T/(2M) (redoing, after each failure, half an interval on average), to first order. The chooser turns T
-into steps with the step time and clamps it (`Bounds`).
+T/(2M) (redoing, after each failure, half an interval on average), to first order (Young); Daly's
+higher-order form, used here, also counts the save as exposed to failures (a little shorter). The
+chooser turns T into steps with the step time and clamps it (`Bounds`).
 
 Evidence, and the documented prior it starts from:
   C  the mean measured save seconds of this run (costs.py, journal attempts.save_s); before any, the
@@ -65,8 +66,8 @@ class Choice:
     @property
     def reason(self) -> str:
         e = self.evidence
-        why = (f"every {self.steps} steps (~{self.interval_s / 60:.0f} min): Young/Daly sqrt(2 x save {e.save_s:.0f} s"
-               f" x MTBF {e.mtbf_s / HOUR:.2f} h) = {self.young_s / 60:.0f} min at {e.step_s:g} s/step")
+        why = (f"every {self.steps} steps (~{self.interval_s / 60:.0f} min): Young/Daly for save {e.save_s:.0f} s"
+               f" and MTBF {e.mtbf_s / HOUR:.2f} h (sqrt(2CM) = {self.young_s / 60:.0f} min) at {e.step_s:g} s/step")
         if self.clamped:
             why += f", {self.clamped}"
         return (f"{why}; save cost {e.save_source}; step time {e.step_source}; failures {e.failure_source}; "
@@ -83,10 +84,19 @@ def expected_goodput(interval_s: float, save_s: float, mtbf_s: float) -> float:
     return max(0.0, 1.0 - save_s / interval_s - interval_s / (2 * mtbf_s)) if interval_s > 0 else 0.0
 
 
+def daly(save_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order estimate of the optimum (2006): Young's sqrt(2CM) corrected for the save itself
+    being exposed to failures; for C >= 2M, M (save as often as failures come)."""
+    if save_s >= 2 * mtbf_s:
+        return mtbf_s
+    r = save_s / (2 * mtbf_s)
+    return math.sqrt(2 * save_s * mtbf_s) * (1 + math.sqrt(r) / 3 + r / 9) - save_s
+
+
 def choose(e: Evidence, bounds: Bounds = Bounds()) -> Choice:
     """Young/Daly's interval in steps, clamped to `bounds`."""
     young = math.sqrt(2 * e.save_s * e.mtbf_s)
-    steps = max(1, round(young / e.step_s))
+    steps = max(1, round(daly(e.save_s, e.mtbf_s) / e.step_s))
     clamped = ""
     floor_s = e.save_s * (1 - bounds.max_save_share) / bounds.max_save_share
     lo = max(bounds.min_steps, math.ceil(floor_s / e.step_s))
@@ -101,10 +111,14 @@ def choose(e: Evidence, bounds: Bounds = Bounds()) -> Choice:
 
 
 def run_failures(attempts: list[Attempt], now: float) -> tuple[int, float]:
-    """(failures, running hours) of a run's attempts: every attempt that ended with a crash class that says
-    something about the node (a stop has none); hours from launch to exit (to now for the running one)."""
-    failures = sum(1 for a in attempts if a.cls is not None and a.cls not in NOT_FAILURES)
-    hours = sum(max(0.0, (a.ended_at if a.ended_at is not None else now) - a.started_at) for a in attempts) / HOUR
+    """(failures, hours) of training exposed to them, over a run's attempts. Only what the interval bears on
+    counts: failures of attempts that trained (a crash before the first step loses no steps, whatever the
+    interval) with a class that says something about the node (not a stop, a taken port, a full disk);
+    hours from the first step to the exit (to now for the running attempt)."""
+    failures = sum(1 for a in attempts if a.first_step_at is not None and a.cls is not None
+                   and a.cls not in NOT_FAILURES)
+    hours = sum(max(0.0, (a.ended_at if a.ended_at is not None else now) - a.first_step_at)
+                for a in attempts if a.first_step_at is not None) / HOUR
     return failures, hours
 
 

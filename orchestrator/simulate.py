@@ -45,6 +45,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from orchestrator.interval import Evidence, choose
 from orchestrator.policy import History, decide, next_history
 from orchestrator.recipe import SupervisorSection
 from orchestrator.types import Action, Crash, CrashClass, Phase
@@ -64,10 +65,18 @@ TRAINING_CLASSES = (CrashClass.FLA_BACKWARD_OOM, CrashClass.OOM_DURING_TRAINING,
 class Scenario:
     name: str = "scenario"
     step_s: float = 18.0               # one training step
-    save_steps: int = 100              # a checkpoint every N steps (resume point)
+    save_steps: int | str = 100        # a checkpoint every N steps (resume point); orchestrator: or "auto"
     total_steps: int = 20_000          # the run: 100 h of training at 18 s/step
     save_s: float = 0.0                # time to write one checkpoint (charged to "checkpoint")
     startup_s: float = 480.0           # launch -> first step (a 400B model's load: 5-10 min)
+    # What the two loops do differently about saves, waits and starts (issue 13). None: as above.
+    plain_save_steps: int | None = None  # the field's interval (100)
+    plain_save_s: float | None = None  # the field's save: the merged copy at every save
+    final_export_s: float = 0.0        # orchestrator, merge = "final": the one merged export after the last step
+    ready_s: float | None = None       # orchestrator: verified-ready relaunch, seconds after the exit (None: the
+                                       # policy's fixed wait_s); nccl_* classes wait at least nccl_settle_s
+    startup_ratio: float = 1.0         # orchestrator: a relaunch's start-up / the first one's (page cache, cached
+                                       # dataset preprocessing); 1.0 until measured
     oom_at_s: float = 240.0            # launch -> cold-start OOM when stale holders still hold the GPUs
     port_fail_s: float = 30.0          # launch -> EADDRINUSE at the rendezvous
     exit_s: float = 10.0               # crash -> every rank gone (both loops)
@@ -107,6 +116,7 @@ class Result:
     launches: int = 0
     gave_up: int = 0
     completed: bool = False
+    intervals: list[int] = field(default_factory=list)  # the save interval of each launch that trained
 
     @property
     def ratio(self) -> float:
@@ -164,7 +174,13 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
     p_total = sum(p for _, p in probs)
     if p_total >= 1:
         raise ValueError(f"crash probability per step {p_total:.3g} >= 1")
-    dt, k = sc.step_s, sc.save_steps
+    dt = sc.step_s
+    fixed = sc.save_steps if orch else (sc.plain_save_steps or sc.save_steps)
+    if fixed == "auto" and not orch:
+        raise ValueError('save_steps = "auto" is the orchestrator\'s; the plain loop saves every plain_save_steps')
+    save_s = sc.save_s if orch or sc.plain_save_s is None else sc.plain_save_s
+    failures, exposed_s = 0, 0.0  # what the orchestrator has seen so far: training crashes, training time
+    started = False               # a start-up after the first is a relaunch (startup_ratio)
     ckpt = 0                      # steps kept (the newest checkpoint)
     stale_until = 0.0             # stale GPU holders hold the memory until then
     port_until = 0.0              # plain: the fixed rendezvous port is taken until then
@@ -172,6 +188,12 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
     nan_at: int | None = None     # a NaN that recurs at this step after a resume
     saved_since_launch = False
     max_wall = max_wall_factor * sc.ideal_s
+
+    def interval_now() -> int:
+        if fixed != "auto":
+            return int(fixed)
+        ev = Evidence(save_s, "scenario", dt, "scenario", failures, exposed_s / HOUR, "this run")
+        return choose(ev).steps
 
     def after_crash(cls: CrashClass, progress: bool) -> None:
         """Leftovers of the dead attempt, then the loop's decision and its waits."""
@@ -193,7 +215,11 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
             clk.charge("gave_up", sc.gave_up_response_s)
             history, nan_at = History(), None  # a person looked, fixed the cause and restarted it
         else:
-            clk.charge("wait", d.wait_s + d.backoff_s)
+            wait = d.wait_s
+            if sc.ready_s is not None:  # relaunched once verified ready; the policy's wait_s is the upper bound
+                settle = cfg.nccl_settle_s if cls.value.startswith("nccl") else 0.0
+                wait = min(wait, max(sc.ready_s, settle))
+            clk.charge("wait", wait + d.backoff_s)
 
     while ckpt < sc.total_steps and clk.t < max_wall:
         # --- before the launch: the orchestrator verifies the GPUs (never launches onto busy ones)
@@ -226,7 +252,10 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
             clk.charge("cleanup", sc.exit_s)
             after_crash(CrashClass.COLD_START_OOM, False)
             continue
-        clk.charge("startup", sc.startup_s)
+        clk.charge("startup", sc.startup_s * (sc.startup_ratio if started and orch else 1.0))
+        started = True
+        k = interval_now()
+        res.intervals.append(k)
         # --- training from ckpt: the next crash
         left = sc.total_steps - ckpt
         steps, cls = _draw_crash(rng, probs, p_total)
@@ -236,17 +265,19 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
         if steps >= left:  # completes
             saves = (sc.total_steps - 1) // k - ckpt // k  # the last step needs no resume point
             clk.charge("productive", left * dt)
-            clk.charge("checkpoint", saves * sc.save_s, "checkpoint_saves")
+            clk.charge("checkpoint", saves * save_s + (sc.final_export_s if orch else 0.0), "checkpoint_saves")
             ckpt = sc.total_steps
             res.completed = True
             break
         steps = int(steps)
+        failures += 1                             # a training crash: interval.run_failures counts it
         crash_step = ckpt + steps                 # steps completed before the failing one
         new_ckpt = crash_step // k * k
         saves = new_ckpt // k - ckpt // k
         clk.cause = cls.value
+        exposed_s += (crash_step - ckpt) * dt + saves * save_s
         clk.charge("productive", (new_ckpt - ckpt) * dt)
-        clk.charge("checkpoint", saves * sc.save_s, "checkpoint_saves")
+        clk.charge("checkpoint", saves * save_s, "checkpoint_saves")
         clk.charge("lost_progress", (crash_step - new_ckpt + rng.random()) * dt)
         saved_since_launch = saves > 0
         if cls is CrashClass.NCCL_TIMEOUT_HANG:
@@ -357,3 +388,95 @@ MIXES = (FIELD, HARSH)
 def with_(sc: Scenario, **changes) -> Scenario:
     """A copy of `sc` with some fields changed (dataclasses.replace, re-exported for bench/tests)."""
     return replace(sc, **changes)
+
+
+# --- issue 13: saves, waits and starts priced honestly ------------------------------------------------
+
+GIB = 2**30
+# The storage budget (storage.py) of the shipped recipes/qwen3.5-397b-a17b-lora-ep8.toml (rank 32,
+# keep_optimizer, merge = "final"): adapter 28.3 GiB + mcore shards 145.6 GiB per save, and the merged
+# model, 739.5 GiB, exported once after the last step. The field's command merges at every save: both.
+# tests/test_simulate.py checks these against storage.budget of the shipped recipe.
+ORCH_SAVE_BYTES = 186_710_884_352
+MERGED_BYTES = 794_037_075_968
+DEFAULT_READY_S = 5.0          # verified-ready relaunch: issue 13's target, relaunched within 5 s of the exit
+DEFAULT_STARTUP_RATIO = 1.0    # no measured start-up speed-up: the documented 8 minutes for every start
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What `orchestrator simulate` prices, stated next to every result."""
+
+    orch_save_bytes: float = ORCH_SAVE_BYTES        # per save, the orchestrator's recipe
+    orch_final_bytes: float = MERGED_BYTES          # merge = "final": the one export; 0 otherwise
+    plain_save_bytes: float = ORCH_SAVE_BYTES + MERGED_BYTES  # the field's command: merged copy at every save
+    write_bytes_per_s: float = float(1 << 30)       # interval.DEFAULT_WRITE_BYTES_PER_S, the plan's default
+    save_steps: int | str = "auto"                  # the orchestrator's
+    plain_save_steps: int = 100
+    plain_wait_s: float = 90.0                      # the field's `sleep 90`
+    ready_s: float | None = DEFAULT_READY_S         # None: the orchestrator waits its fixed wait_s
+    startup_s: float = 480.0
+    startup_ratio: float = DEFAULT_STARTUP_RATIO
+    crash_rate_per_h: float | None = None           # None: the mix's own rates
+    source: str = "shipped qwen3.5-397b-a17b-lora-ep8 recipe"
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["orch_save_s"], d["plain_save_s"] = self.orch_save_s, self.plain_save_s
+        d["final_export_s"] = self.orch_final_bytes / self.write_bytes_per_s
+        return d
+
+    @property
+    def orch_save_s(self) -> float:
+        return self.orch_save_bytes / self.write_bytes_per_s
+
+    @property
+    def plain_save_s(self) -> float:
+        return self.plain_save_bytes / self.write_bytes_per_s
+
+
+def crashes_per_hour(sc: Scenario) -> float:
+    """Training crashes per hour of training of a mix."""
+    return sum(sc.p_step(c) for c in TRAINING_CLASSES) * HOUR / sc.step_s
+
+
+def at_crash_rate(sc: Scenario, per_hour: float) -> Scenario:
+    """The mix with every class scaled so that training crashes arrive `per_hour` (its proportions kept)."""
+    now = crashes_per_hour(sc)
+    if per_hour < 0 or now <= 0:
+        raise ValueError(f"crash rate must be >= 0 per hour (and the mix must have crashes), got {per_hour}")
+    f = per_hour / now
+    return replace(sc, per_step={k: v * f for k, v in sc.per_step.items()},
+                   per_hour={k: v * f for k, v in sc.per_hour.items()})
+
+
+def priced(mix: Scenario, i: Inputs = Inputs()) -> Scenario:
+    """`mix` with the saves, waits and starts of `i`: the orchestrator's recipe against the field's procedure."""
+    sc = at_crash_rate(mix, i.crash_rate_per_h) if i.crash_rate_per_h is not None else mix
+    return replace(sc, save_steps=i.save_steps, save_s=i.orch_save_s, final_export_s=i.orch_final_bytes / i.write_bytes_per_s,
+                   plain_save_steps=i.plain_save_steps, plain_save_s=i.plain_save_s, plain_wait_s=i.plain_wait_s,
+                   ready_s=i.ready_s, startup_s=i.startup_s, startup_ratio=i.startup_ratio)
+
+
+def ett_report(mix: Scenario, i: Inputs = Inputs(), seeds: int = 200) -> dict:
+    """`orchestrator simulate --json`: both loops over the same seeds, with every input."""
+    sc = priced(mix, i)
+    c = compare(sc, range(seeds))
+
+    def loop(sm: Summary, results_intervals: list[int] | None) -> dict:
+        d = {"ett": round(sm.ratio, 4), "ett_min": round(sm.ratio_min, 4), "ett_max": round(sm.ratio_max, 4),
+             "lost": {k: round(v, 4) for k, v in sm.lost_share.items()},
+             "crashes_per_run": {k: round(v, 2) for k, v in sm.crashes_per_run.items()},
+             "gave_up_per_run": round(sm.gave_up_per_run, 3), "launches_per_run": round(sm.launches_per_run, 1)}
+        if results_intervals:
+            d["save_interval_steps"] = {"first": results_intervals[0], "min": min(results_intervals),
+                                        "max": max(results_intervals)}
+        return d
+
+    firsts = [simulate(sc, "orchestrator", s).intervals for s in range(min(seeds, 20))]
+    flat = [k for run in firsts for k in run]
+    return {"mix": mix.name, "seeds": seeds, "orchestrator": loop(c["orchestrator"], flat),
+            "plain": loop(c["plain"], None),
+            "inputs": {**i.as_dict(), "step_s": sc.step_s, "total_steps": sc.total_steps,
+                       "crashes_per_hour": round(crashes_per_hour(sc), 4), "mix_rates": {
+                           "per_step": sc.per_step, "per_hour": sc.per_hour}}}

@@ -18,10 +18,11 @@ def ev(save_s=100.0, step_s=18.0, failures=0.0, hours=0.0) -> I.Evidence:
 
 
 @pytest.mark.parametrize("e, steps, clamped", [
-    # prior only: MTBF 2.25 h = 8100 s; sqrt(2 x 100 x 8100) = 1273 s = 70.7 steps of 18 s
-    (ev(), 71, ""),
-    (ev(save_s=400.0), 141, ""),                                    # 4x the cost: 2x the interval
-    (ev(failures=98, hours=45.5), 33, ""),                          # MTBF 0.5 h: sqrt(2 x 100 x 1800) = 600 s
+    # prior only: MTBF 2.25 h = 8100 s; Young sqrt(2 x 100 x 8100) = 1273 s; Daly 1273 x (1 + sqrt(100/16200)/3
+    # + 100/16200/9) - 100 = 1207 s = 67 steps of 18 s
+    (ev(), 67, ""),
+    (ev(save_s=400.0), 127, ""),                                    # 4x the cost: ~2x the interval
+    (ev(failures=98, hours=45.5), 30, ""),                          # MTBF 0.5 h: Young 600 s, Daly 535 s
     (ev(save_s=1.0, step_s=18.0), 10, "raised"),                   # Young says 7: min_steps
     (ev(save_s=500.0, step_s=0.1, failures=0, hours=1000.0), 144000, "lowered"),  # 11.8 h: the 4 h cap
     (ev(save_s=3000.0, step_s=60.0, failures=998, hours=0.5), 50, "raised"),   # T >= C
@@ -35,11 +36,17 @@ def test_choose(e, steps, clamped):
     assert "Young/Daly" in c.reason and c.as_dict()["steps"] == steps
 
 
-def test_young_daly_is_the_first_order_optimum():
+def test_young_is_the_first_order_optimum_and_daly_is_close():
     e = ev(save_s=120.0)
-    best = I.choose(e)
-    for k in (best.steps // 2, best.steps - 5, best.steps + 5, best.steps * 2):
-        assert I.expected_goodput(k * e.step_s, e.save_s, e.mtbf_s) <= best.expected_goodput + 1e-9
+    young = I.expected_goodput(math.sqrt(2 * e.save_s * e.mtbf_s), e.save_s, e.mtbf_s)
+    for t in (0.5, 0.9, 1.1, 2.0):
+        assert I.expected_goodput(t * math.sqrt(2 * e.save_s * e.mtbf_s), e.save_s, e.mtbf_s) < young
+    assert I.choose(e).expected_goodput == pytest.approx(young, abs=0.003)
+
+
+@pytest.mark.parametrize("save_s, mtbf_s", [(100.0, 8100.0), (1.0, 1e6), (500.0, 1800.0), (3000.0, 1000.0)])
+def test_daly_is_shorter_than_young_and_at_most_the_mtbf(save_s, mtbf_s):
+    assert 0 < I.daly(save_s, mtbf_s) <= min(mtbf_s, math.sqrt(2 * save_s * mtbf_s))
 
 
 @pytest.mark.parametrize("failures, hours, mtbf_h", [(0, 0, 2.25), (2, 4.5, 2.25), (18, 175.5, 9.0), (98, 45.5, 0.5)])
@@ -51,10 +58,14 @@ def att(n, start, end, cls=None, **kw) -> Attempt:
     return Attempt(n, start, ended_at=end, cls=cls, **kw)
 
 
-def test_run_failures_counts_node_faults_only():
-    rows = [att(1, 0, 3600, CrashClass.FLA_BACKWARD_OOM), att(2, 3700, 3730, CrashClass.PORT_IN_USE),
-            att(3, 3800, 7400, CrashClass.DISK_FULL), att(4, 7500, 9000, None), att(5, 9000, None)]
-    assert I.run_failures(rows, now=10_800) == (1, pytest.approx((3600 + 30 + 3600 + 1500 + 1800) / H))
+def test_run_failures_counts_training_faults_and_training_hours_only():
+    rows = [att(1, 0, 3600, CrashClass.FLA_BACKWARD_OOM, first_step_at=600),
+            att(2, 3700, 3730, CrashClass.PORT_IN_USE),                     # at launch: no step, no fault of the node
+            att(3, 3800, 4000, CrashClass.COLD_START_OOM),                  # before the first step: no steps lost
+            att(4, 4100, 7400, CrashClass.DISK_FULL, first_step_at=4600),
+            att(5, 7500, 9000, None, first_step_at=8000),                   # stopped
+            att(6, 9000, None, first_step_at=9500)]                         # running
+    assert I.run_failures(rows, now=10_800) == (1, pytest.approx((3000 + 2800 + 1000 + 1300) / H))
 
 
 def test_measured_step_time_leaves_saves_out():
@@ -67,9 +78,9 @@ def test_evidence_prior_then_measured():
     e = I.evidence([], (0, 0), 174 * GIB, None, 18.0, "default for the model", 0)
     assert e.save_s == pytest.approx(174.0) and "prior" in e.save_source and "default write speed" in e.save_source
     assert e.step_s == 18.0 and e.failures == 0
-    rows = [att(1, 0, 7200, CrashClass.NCCL_ERROR, first_step_at=600, last_step_at=7000, start_step=0, end_step=321,
+    rows = [att(1, 0, 7800, CrashClass.NCCL_ERROR, first_step_at=600, last_step_at=7000, start_step=0, end_step=321,
                 save_s=80.0, save_count=3)]
-    e = I.evidence(rows, (4, 20.0), 174 * GIB, None, 18.0, "x", 7200)
+    e = I.evidence(rows, (4, 20.0), 174 * GIB, None, 18.0, "x", 7800)
     assert e.save_s == 80.0 and "measured (3 saves" in e.save_source
     assert e.step_s == pytest.approx((6400 - 240) / 320) and e.step_source == "measured"
     assert (e.failures, e.hours) == (5, pytest.approx(22.0))
