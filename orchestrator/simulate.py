@@ -397,8 +397,8 @@ GIB = 2**30
 # keep_optimizer, merge = "final"): adapter 28.3 GiB + mcore shards 145.6 GiB per save, and the merged
 # model, 739.5 GiB, exported once after the last step. The field's command merges at every save: both.
 # tests/test_simulate.py checks these against storage.budget of the shipped recipe.
-ORCH_SAVE_BYTES = 186_710_884_352
-MERGED_BYTES = 794_037_075_968
+ORCH_SAVE_BYTES = 186_737_819_648
+MERGED_BYTES = 794_000_000_000
 DEFAULT_READY_S = 5.0          # verified-ready relaunch: issue 13's target, relaunched within 5 s of the exit
 DEFAULT_STARTUP_RATIO = 1.0    # no measured start-up speed-up: the documented 8 minutes for every start
 
@@ -480,3 +480,29 @@ def ett_report(mix: Scenario, i: Inputs = Inputs(), seeds: int = 200) -> dict:
             "inputs": {**i.as_dict(), "step_s": sc.step_s, "total_steps": sc.total_steps,
                        "crashes_per_hour": round(crashes_per_hour(sc), 4), "mix_rates": {
                            "per_step": sc.per_step, "per_hour": sc.per_hour}}}
+
+
+def format_report(d: dict) -> str:
+    """`orchestrator simulate` as text: both loops' ETT and where the time went, every input stated."""
+    i = d["inputs"]
+    lines = [f"ETT over {d['seeds']} seeded runs of {i['total_steps']} steps x {i['step_s']:g} s, mix {d['mix']} "
+             f"({i['crashes_per_hour']:.3g} training crashes per hour)"]
+    for name in LOOPS:
+        r = d[name]
+        lost = ", ".join(f"{k} {v:.1%}" for k, v in sorted(r["lost"].items(), key=lambda kv: -kv[1]) if v >= 0.0005)
+        lines.append(f"  {name:<12} ETT {r['ett']:.3f} [{r['ett_min']:.3f}, {r['ett_max']:.3f}]  lost: {lost}")
+        if "save_interval_steps" in r:
+            s = r["save_interval_steps"]
+            lines.append(f"  {'':<12} save interval {s['first']} steps at the first launch, {s['min']}-{s['max']} later")
+    speed = i["write_bytes_per_s"] / GIB
+    lines += ["inputs:",
+              f"  orchestrator: {i['orch_save_bytes'] / GIB:,.1f} GiB per save ({i['source']}) at {speed:g} GiB/s = "
+              f"{i['orch_save_s']:.0f} s; save_steps {i['save_steps']}; final merged export "
+              f"{i['orch_final_bytes'] / GIB:,.1f} GiB = {i['final_export_s']:.0f} s; relaunch "
+              + (f"verified ready {i['ready_s']:g} s after the exit (nccl_* at least nccl_settle_s)"
+                 if i["ready_s"] is not None else "after the fixed supervisor.wait_s")
+              + f"; start-up {i['startup_s']:g} s, relaunches x {i['startup_ratio']:g}",
+              f"  plain loop:   {i['plain_save_bytes'] / GIB:,.1f} GiB per save (the field's command: the merged copy "
+              f"at every save) at {speed:g} GiB/s = {i['plain_save_s']:.0f} s; every {i['plain_save_steps']} steps; "
+              f"`sleep {i['plain_wait_s']:g}`; no hang detection; start-up {i['startup_s']:g} s"]
+    return "\n".join(lines)
