@@ -346,7 +346,7 @@ def simulate(recipe: Path | None, overrides: tuple[str, ...], as_json: bool, mix
     Save cost from RECIPE's storage budget (default: the shipped Qwen3.5-397B recipe's numbers) at
     --write-gib-s; the plain loop is the field's procedure: the merged copy at every save, every 100
     steps, `sleep 90`, no hang detection."""
-    from orchestrator import simulate as S
+    from orchestrator import simulate_report as S
 
     if save_steps is not None and save_steps != "auto" and not (save_steps.isdigit() and int(save_steps) > 0):
         fail(f"--save-steps must be auto or a positive number of steps, got {save_steps!r}")
@@ -360,7 +360,7 @@ def simulate(recipe: Path | None, overrides: tuple[str, ...], as_json: bool, mix
         given |= _simulate_bytes(load_recipe(recipe, overrides))
     steps = save_steps or given.pop("recipe_save_steps", "auto")
     given.pop("recipe_save_steps", None)
-    d = S.ett_report(S.FIELD if mix == "field" else S.HARSH,
+    d = S.ett_report(S.MIXES[mix],
                      S.Inputs(save_steps=steps if steps == "auto" else int(steps), **given), seeds)
     click.echo(json.dumps(d, indent=2) if as_json else S.format_report(d))
 

@@ -20,7 +20,7 @@ PKG = ROOT / "orchestrator"
 LAYERS = {
     "domain": {"types", "orchestrator"},   # the package itself: imports nothing
     "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate",
-                  "retention", "storage", "costs", "interval"},
+                  "retention", "storage", "costs", "interval", "simulate_report"},
     "world": {"host", "launcher", "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
               "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe",
               "published", "node_history"},

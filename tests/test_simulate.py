@@ -6,6 +6,7 @@ import math
 import pytest
 
 from orchestrator import simulate as S
+from orchestrator import simulate_report as R
 from orchestrator.recipe import SupervisorSection
 from orchestrator.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate, with_
 
@@ -201,7 +202,7 @@ def test_an_impossible_run_ends_at_the_wall_cap():
     assert math.isfinite(r.wall_s)
 
 
-# --- issue 13: saves, waits and starts priced; `orchestrator simulate` -----------------------------
+# --- issue 13: saves, waits and starts priced (simulate_report.py); `orchestrator simulate` ----------
 
 def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
     from conftest import RECIPES
@@ -211,12 +212,12 @@ def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
     cfg, total = plan.model_config(r)
     b = storage.budget(r, cfg, total)
     assert r.checkpoint.merge == "final"
-    assert sum(b.per_save_bytes.values()) == S.ORCH_SAVE_BYTES and b.final_merged_bytes == S.MERGED_BYTES
+    assert sum(b.per_save_bytes.values()) == R.ORCH_SAVE_BYTES and b.final_merged_bytes == R.MERGED_BYTES
 
 
 def test_priced_charges_each_loop_its_own_saves_waits_and_starts():
-    i = S.Inputs(save_steps=100, write_bytes_per_s=2**30)
-    sc = S.priced(Scenario(total_steps=1000), i)
+    i = R.Inputs(save_steps=100, write_bytes_per_s=2**30)
+    sc = R.priced(Scenario(total_steps=1000), i)
     orch, plain = simulate(sc, "orchestrator", 0), simulate(sc, "plain", 0)
     assert orch.lost["checkpoint"] == pytest.approx(9 * i.orch_save_s + i.orch_final_bytes / 2**30)
     assert plain.lost["checkpoint"] == pytest.approx(9 * i.plain_save_s)  # the merged copy at every save
@@ -238,7 +239,7 @@ def test_startup_ratio_applies_to_relaunches_only():
 
 def test_auto_interval_follows_the_evidence():
     """save_steps = auto: Daly's interval at every launch from the crashes seen; more crashes, shorter intervals."""
-    calm, rough = (S.priced(FIELD, S.Inputs(crash_rate_per_h=rate)) for rate in (0.1, 2.0))
+    calm, rough = (R.priced(FIELD, R.Inputs(crash_rate_per_h=rate)) for rate in (0.1, 2.0))
     a, b = simulate(calm, "orchestrator", 3), simulate(rough, "orchestrator", 3)
     assert a.intervals[0] == b.intervals[0]  # the same prior at the first launch
     assert max(b.intervals[-5:]) < a.intervals[0] < min(a.intervals[-3:])
@@ -247,8 +248,8 @@ def test_auto_interval_follows_the_evidence():
 
 
 def test_crash_rate_scales_the_mix():
-    sc = S.at_crash_rate(HARSH, 1.0)
-    assert S.crashes_per_hour(sc) == pytest.approx(1.0)
+    sc = R.at_crash_rate(HARSH, 1.0)
+    assert R.crashes_per_hour(sc) == pytest.approx(1.0)
     assert sc.per_hour["nccl_error"] / sc.per_hour["cuda_fatal"] == pytest.approx(48 / 10)
 
 
