@@ -157,6 +157,13 @@ class CheckpointSection(_Section):
     sync_interval_s: float = Field(default=300, gt=0)
     resume_loss_tolerance: float = Field(default=0.05, ge=0)  # relative; resume divergence check
 
+    @field_validator("save_steps", mode="before")
+    @classmethod
+    def _save_steps(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError('must be a positive number of steps or "auto"')
+
     @model_validator(mode="before")
     @classmethod
     def _merge_lora_alias(cls, data: Any) -> Any:
