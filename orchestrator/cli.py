@@ -1,4 +1,4 @@
-"""Command line: plan, run, demo, status, history, classify, verify, sync, report, install-service.
+"""Command line: plan, run, demo, status, history, classify, verify, sync, report, simulate, install-service.
 
 Exit codes: 0 ok, 1 internal error, 2 bad input (nothing launched), 3 gave up. Every command that
 takes a recipe takes `--set dotted.key=value` overrides, validated like the file.
@@ -78,6 +78,8 @@ def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool, no_probe: bool
     for note in m["notes"]:
         click.echo(f"#   note: {note}")
     _print_storage(p["storage"])
+    si = p["save_interval"]
+    click.echo(f"# save interval: {si['steps']} steps ({si['mode']}): {si['reason']}")
     click.echo("# pre-flight checks")
     for c in p["checks"]:
         click.echo(f"  [{'ok' if c['ok'] else 'NOT OK'}] {c['name']}: {c['detail']}")
@@ -161,6 +163,7 @@ def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
     r = load_recipe(path, ())
     click.echo(f"wrote the demo recipe to {path}")
     click.echo(f"running {r.run.name}: {r.optim.iterations} steps, checkpoint every {r.checkpoint.save_steps}"
+               + (" (chosen at each launch)" if r.checkpoint.save_steps == "auto" else "")
                + (f"; a SIGKILL will hit the trainer once it reaches step {crash_at}" if crash_at else ""))
     started: list = []
 
@@ -319,6 +322,60 @@ def install_service_cmd(recipe: Path, name: str | None, dry_run: bool, unit_dir:
     except (ValueError, OSError) as e:
         fail(str(e))
     click.echo(result.text())
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@SET
+@JSON
+@click.option("--mix", type=click.Choice(["field", "harsh"]), default="field", show_default=True,
+              help="The crash mix (orchestrator/simulate.py FIELD, HARSH).")
+@click.option("--crash-rate", type=float, default=None, help="Training crashes per hour (the mix's proportions kept).")
+@click.option("--save-steps", default=None, help="The orchestrator's interval: auto or N (default: the recipe's, else auto).")
+@click.option("--write-gib-s", type=float, default=1.0, show_default=True, help="Checkpoint write speed, GiB/s.")
+@click.option("--ready-s", type=float, default=None, help="Verified-ready relaunch after an exit, s (default 5).")
+@click.option("--fixed-wait", is_flag=True, help="The orchestrator waits its fixed supervisor.wait_s instead.")
+@click.option("--startup-ratio", type=float, default=1.0, show_default=True,
+              help="A relaunch's start-up / the first one's, as measured (1: the documented 8 minutes each time).")
+@click.option("--seeds", type=int, default=200, show_default=True)
+def simulate(recipe: Path | None, overrides: tuple[str, ...], as_json: bool, mix: str, crash_rate: float | None,
+             save_steps: str | None, write_gib_s: float, ready_s: float | None, fixed_wait: bool,
+             startup_ratio: float, seeds: int) -> None:
+    """ETT of a long run kept alive by the orchestrator vs the field's plain restart loop (a seeded model).
+
+    Save cost from RECIPE's storage budget (default: the shipped Qwen3.5-397B recipe's numbers) at
+    --write-gib-s; the plain loop is the field's procedure: the merged copy at every save, every 100
+    steps, `sleep 90`, no hang detection."""
+    from orchestrator import simulate_report as S
+
+    if save_steps is not None and save_steps != "auto" and not (save_steps.isdigit() and int(save_steps) > 0):
+        fail(f"--save-steps must be auto or a positive number of steps, got {save_steps!r}")
+    for name, v in (("--crash-rate", crash_rate), ("--write-gib-s", write_gib_s), ("--ready-s", ready_s),
+                    ("--startup-ratio", startup_ratio), ("--seeds", seeds)):
+        if v is not None and (v < 0 or (v == 0 and name != "--crash-rate" and name != "--ready-s")):
+            fail(f"{name} must be {'>= 0' if name in ('--crash-rate', '--ready-s') else '> 0'}, got {v}")
+    given = {"write_bytes_per_s": write_gib_s * 2**30, "crash_rate_per_h": crash_rate, "startup_ratio": startup_ratio,
+             "ready_s": None if fixed_wait else (S.DEFAULT_READY_S if ready_s is None else ready_s)}
+    if recipe is not None:
+        given |= _simulate_bytes(load_recipe(recipe, overrides))
+    steps = save_steps or given.pop("recipe_save_steps", "auto")
+    given.pop("recipe_save_steps", None)
+    d = S.ett_report(S.MIXES[mix],
+                     S.Inputs(save_steps=steps if steps == "auto" else int(steps), **given), seeds)
+    click.echo(json.dumps(d, indent=2) if as_json else S.format_report(d))
+
+
+def _simulate_bytes(r: Recipe) -> dict:
+    """Save bytes from a recipe's storage budget; the plain loop's from the same recipe with the field's merged copy."""
+    from orchestrator import plan as P, storage
+
+    cfg, total = P.model_config(r)
+    own = storage.budget(r, cfg, total)
+    field = storage.budget(r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"merge": "every_save"})}),
+                           cfg, total)
+    return {"orch_save_bytes": sum(own.per_save_bytes.values()), "orch_final_bytes": own.final_merged_bytes,
+            "plain_save_bytes": sum(field.per_save_bytes.values()), "source": f"storage budget of {r.run.name}",
+            "recipe_save_steps": r.checkpoint.save_steps}
 
 
 @main.command(name="build-tiny")

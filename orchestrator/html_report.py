@@ -183,7 +183,7 @@ def exit_text(a: dict) -> str:
 
 def attempts_table(attempts: list[dict]) -> str:
     out = ["<table><tr><th class=num>#</th><th>started</th><th class=num>ran</th><th>steps</th><th>exit</th>"
-           "<th>class</th><th>resumed from</th><th>evidence</th></tr>"]
+           "<th>class</th><th class=num>start-up</th><th class=num>saves</th><th>resumed from</th><th>evidence</th></tr>"]
     for a in attempts:
         ran = fmt_s(a["ended_at"] - a["started_at"]) if a["ended_at"] else "running"
         steps = f"{a['start_step'] or 0} → {a['end_step'] if a['end_step'] is not None else '?'}"
@@ -193,10 +193,26 @@ def attempts_table(attempts: list[dict]) -> str:
         out.append(f"<tr><td class=num>{a['n']}</td><td class=nw>{e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a['started_at'])))}"
                    f"</td><td class=num>{e(ran)}</td><td class=nw>{e(steps)}</td><td class=nw>{e(exit_text(a))}</td>"
                    f"<td class=nw>{cls}</td>"
+                   f"<td class=num>{e(fmt_s(a['startup_s']) if a.get('startup_s') is not None else '-')}</td>"
+                   f"<td class=num>{e(save_text(a))}</td>"
                    f"<td class=ev title=\"{e(a['resumed_from'] or '')}\">{e(Path(a['resumed_from']).name if a['resumed_from'] else '-')}</td>"
                    f"<td class=ev title=\"{e(chr(10).join(a['evidence']))}\">{e(ev[:240])}</td></tr>")
     out.append("</table>")
     return "".join(out)
+
+
+def save_text(a: dict) -> str:
+    """One attempt's measured saves: mean seconds x count."""
+    return f"{fmt_s(a['save_s'])} × {a['save_count']}" if a.get("save_s") is not None and a.get("save_count") else "-"
+
+
+def costs_section(c: dict) -> str:
+    """Start-up and save costs as measured (costs.py), and the checkpoint interval in use."""
+    start = (f"start-up {fmt_s(c['startup_s_last'])} (last), {fmt_s(c['startup_s_mean'])} mean of {c['starts']}"
+             if c["starts"] else "start-up not measured yet")
+    save = f"save {fmt_s(c['save_s_mean'])} mean of {c['saves']}" if c["saves"] else "no save measured yet"
+    every = f"; a checkpoint every {c['save_interval_steps']} steps" if c.get("save_interval_steps") else ""
+    return f"<p>{e(start)}; {e(save)}{e(every)}</p>"
 
 
 def events_list(events: list[dict]) -> str:
@@ -222,6 +238,7 @@ def render(d: dict) -> str:
         "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in meta), "</dl>",
         "<h2>Loss</h2>", loss_chart(d), chart_legend(d),
         "<h2>Goodput</h2>", goodput_section(d["goodput"]),
+        *(["<h2>Costs</h2>", costs_section(d["costs"])] if d.get("costs") else []),
         "<h2>Attempts</h2>", attempts_table(d["attempts"]),
         "<h2>Recent events</h2>", events_list(d["events"]),
         "</body></html>\n",

@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # Columns added after a release, for journals written before them: (table, column, type).
-ADDED_COLUMNS = (("checkpoints", "saved_at", "REAL"),)
+ADDED_COLUMNS = (("checkpoints", "saved_at", "REAL"), ("attempts", "startup_s", "REAL"), ("attempts", "save_s", "REAL"),
+                 ("attempts", "save_count", "INTEGER"))
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
@@ -143,7 +144,7 @@ class Journal:
     def attempts(self) -> list[Attempt]:
         out = []
         for r in self.db.execute("SELECT * FROM attempts ORDER BY n"):
-            d = {f.name: r[f.name] for f in fields(Attempt)}
+            d = {f.name: r[f.name] for f in fields(Attempt) if f.name in r.keys()}  # a reader: older columns only
             d["evidence"] = tuple(json.loads(d["evidence"] or "[]"))
             d["cls"] = CrashClass(d["cls"]) if d["cls"] else None
             out.append(Attempt(**d))

@@ -151,6 +151,11 @@ class Metrics:
         self._gpus_not_clear_s = gauge("orchestrator_gpus_not_clear_seconds",
                                        "Seconds the GPUs have been found not clear (0 when clear).")
         self._goodput = gauge("orchestrator_goodput_ratio", "Productive training time / total run time.")
+        self._save_s = gauge("orchestrator_checkpoint_save_seconds",
+                             "Seconds the last measured checkpoint save stopped training (costs.py).")
+        self._startup_s = gauge("orchestrator_startup_seconds", "Seconds from the last launch to its first step.")
+        self._save_interval = gauge("orchestrator_save_interval_steps",
+                                    "Checkpoint interval of the running attempt, steps (chosen when save_steps = auto).")
         self._lost = _LostSeconds()
         r.register(self._lost)
         self._alert = gauge("orchestrator_alert_active", "1 while the supervisor raises this alert.",
@@ -237,6 +242,15 @@ class Metrics:
                 self._ckpt_step.set(step)
             if self._sync_enabled and self._unsynced_since is None:
                 self._unsynced_since = at
+
+    def save_cost(self, seconds: float) -> None:
+        self._save_s.set(seconds)
+
+    def startup_cost(self, seconds: float) -> None:
+        self._startup_s.set(seconds)
+
+    def save_interval(self, steps: int) -> None:
+        self._save_interval.set(steps)
 
     def checkpoint_invalid(self) -> None:
         self._ckpt_invalid.inc()

@@ -10,10 +10,12 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrator import estimate, gpu, launcher, storage
+from orchestrator import estimate, gpu, interval, launcher, storage
 from orchestrator.host_probe import exists, first_free_port, free_bytes, held_bytes, mount_point, probe_write
+from orchestrator.node_history import NodeHistory
 from orchestrator.recipe import Recipe, expert_count, read_model_config, recipe_hash
 from orchestrator.render.command import render_command
+from orchestrator.rundir import run_id
 from orchestrator.types import Check, GpuSnapshot
 
 GIB = 1024**3
@@ -100,7 +102,7 @@ def check_publish(r: Recipe, b: storage.StorageBudget, write_bytes_per_s: float 
     need, speed = b.publish_bytes_per_s, write_bytes_per_s or 0.0
     wrote = f"wrote {speed / 2**20:,.0f} MiB/s" if write_bytes_per_s else f"not measured: {probe}"
     detail = (f"{storage.gib(b.published_per_save_bytes)} per save every {b.save_interval_s / 60:.0f} min "
-              f"({r.checkpoint.save_steps} steps x {b.step_time_s:g} s, {b.step_time_source}) needs "
+              f"({round(b.save_interval_s / b.step_time_s)} steps x {b.step_time_s:g} s, {b.step_time_source}) needs "
               f"{need / 2**20:,.0f} MiB/s; {r.run.persistent_dir} {wrote}")
     ok = speed >= need
     return Check("publish_throughput", ok, detail if ok else f"{detail}: raise checkpoint.save_steps, set "
@@ -139,7 +141,7 @@ def check_port(r: Recipe) -> Check:
 def check_trainer(r: Recipe) -> Check:
     """argv[0] of the rendered command exists and is executable, found as the launch will find it
     (else the launch fails with no exit status to classify, and a restart fails the same way)."""
-    cmd = render_command(r, None, r.supervisor.port_range[0])
+    cmd = render_command(r, None, r.supervisor.port_range[0], save_steps=1)  # argv[0] is all this reads
     name = cmd.argv[0]
     exe = launcher.locate(name, cmd.env.get("PATH", os.environ.get("PATH")), r.run.output_dir)
     if exe:
@@ -199,12 +201,28 @@ def storage_section(r: Recipe, probe: bool) -> tuple[dict, list[Check]]:
     return out, checks
 
 
+def save_interval(r: Recipe, storage_out: dict) -> dict:
+    """The interval a first launch uses and why: the recipe's number, or for "auto" the Young/Daly choice from the
+    prior save cost (bytes per save at the probed output_dir write speed, else the default), the step time of
+    the storage budget and the failures of earlier runs on this node (node_history.py)."""
+    speed = storage_out["disks"]["output_dir"].get("write_bytes_per_s")
+    auto = interval.choose(interval.evidence(
+        [], NodeHistory().others(run_id(r.run.output_dir)), sum(storage_out["per_save_bytes"].values()), speed,
+        storage_out["step_time_s"], storage_out["step_time_source"], 0.0))
+    if r.checkpoint.save_steps == "auto":
+        return {"mode": "auto", "steps": auto.steps, "reason": auto.reason, "auto": auto.as_dict()}
+    return {"mode": "fixed", "steps": r.checkpoint.save_steps,
+            "reason": f"checkpoint.save_steps = {r.checkpoint.save_steps} (fixed); \"auto\" would start with "
+                      f"{auto.steps}: {auto.reason}", "auto": auto.as_dict()}
+
+
 def plan(r: Recipe, reader: gpu.GpuReader | None = None, probe: bool = False) -> dict:
     snap = (reader or gpu.reader(r.gpu.check)).snapshot()
     storage_out, storage_checks = storage_section(r, probe)
     checks = preflight(r, snap) + storage_checks
     lo, _ = r.supervisor.port_range
-    cmd = render_command(r, None, first_free_port(*r.supervisor.port_range) or lo)
+    chosen = save_interval(r, storage_out)
+    cmd = render_command(r, None, first_free_port(*r.supervisor.port_range) or lo, chosen["steps"])
     return {
         "argv": list(cmd.argv),
         "env": cmd.env,
@@ -214,6 +232,7 @@ def plan(r: Recipe, reader: gpu.GpuReader | None = None, probe: bool = False) ->
         "memory": memory(r, snap).as_dict(),
         "would_run": not stoppers(checks),
         "storage": storage_out,
+        "save_interval": chosen,
     }
 
 

@@ -14,7 +14,7 @@ import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -140,7 +140,9 @@ class OptimSection(_Section):
 
 
 class CheckpointSection(_Section):
-    save_steps: int = Field(default=100, gt=0)
+    # A number, or "auto": chosen at every (re)launch from the measured save cost, step time and failure
+    # rate (orchestrator/interval.py). Operational either way: outside the recipe hash.
+    save_steps: Annotated[int, Field(gt=0)] | Literal["auto"] = 100
     logging_steps: int = Field(default=1, gt=0)
     keep_optimizer: bool = True          # False renders --no_save_optim true: weights-only resume
     # The merged full model: "every_save" (--merge_lora true: a merged copy next to every checkpoint,
@@ -154,6 +156,13 @@ class CheckpointSection(_Section):
     keep_persistent: int = Field(default=3, gt=0)  # newest K published copies (plus the best-loss one)
     sync_interval_s: float = Field(default=300, gt=0)
     resume_loss_tolerance: float = Field(default=0.05, ge=0)  # relative; resume divergence check
+
+    @field_validator("save_steps", mode="before")
+    @classmethod
+    def _save_steps(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError('must be a positive number of steps or "auto"')
 
     @model_validator(mode="before")
     @classmethod

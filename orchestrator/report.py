@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from orchestrator import goodput, progress
+from orchestrator.costs import mean_save
 from orchestrator.goodput import goodput_of
 from orchestrator.journal import Journal, journal_path
 from orchestrator.published import publish_dir, published_steps as own_published_steps
@@ -80,13 +81,32 @@ def attempt_row(a: Attempt) -> dict:
     return {"n": a.n, "started_at": a.started_at, "ended_at": a.ended_at, "pid": a.pid, "port": a.port,
             "exit_code": a.exit_code, "signal": a.signal, "class": a.cls.value if a.cls else None,
             "evidence": list(a.evidence), "start_step": a.start_step, "end_step": a.end_step,
-            "resumed_from": a.resumed_from, "log": a.log_path}
+            "resumed_from": a.resumed_from, "log": a.log_path,
+            "startup_s": a.startup_s, "save_s": a.save_s, "save_count": a.save_count or 0}
+
+
+def costs_data(attempts: list[Attempt], kv: dict) -> dict:
+    """What starts and saves cost this run (costs.py, measured per attempt) and the interval in use."""
+    starts = [a.startup_s for a in attempts if a.startup_s is not None]
+    save, n = mean_save((a.save_s, a.save_count) for a in attempts)
+    return {"startup_s_last": starts[-1] if starts else None,
+            "startup_s_mean": sum(starts) / len(starts) if starts else None, "starts": len(starts),
+            "save_s_mean": save, "saves": n, "save_interval_steps": kv.get("save_interval")}
+
+
+def costs_line(c: dict) -> str:
+    start = (f"start-up {fmt_duration(c['startup_s_last'])} last, {fmt_duration(c['startup_s_mean'])} mean of "
+             f"{c['starts']}" if c["starts"] else "start-up not measured yet")
+    save = (f"save {fmt_duration(c['save_s_mean'])} mean of {c['saves']}" if c["saves"] else "no save measured yet")
+    every = f"; saving every {c['save_interval_steps']} steps" if c["save_interval_steps"] else ""
+    return f"{start}; {save}{every}"
 
 
 def history_data(r: Recipe, j: Journal) -> dict:
-    kv = j.get_all()
+    kv, rows = j.get_all(), j.attempts()
     return {"run": r.run.name, "recipe_hash": kv.get("recipe_hash"), "state": kv.get("state"),
-            "output_dir": str(output_dir_of(r, kv)), "attempts": [attempt_row(a) for a in j.attempts()],
+            "output_dir": str(output_dir_of(r, kv)), "attempts": [attempt_row(a) for a in rows],
+            "costs": costs_data(rows, kv),
             "goodput": goodput_dict(goodput_of(j)),
             "sync": sync_state(r, ckpts := j.checkpoints(), time.time(), synced_steps(ckpts, published_steps(r, kv)),
                                kv.get("recipe_hash"))}
@@ -101,6 +121,8 @@ def history_table(data: dict) -> str:
     g = data["goodput"]
     lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
     rows.append(f"goodput {g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f" (lost: {lost})" if lost else ""))
+    if "costs" in data:
+        rows.append(f"costs: {costs_line(data['costs'])}")
     if (s := data.get("sync", {})).get("enabled"):
         last = s["last_synced_step"]
         rows.append(f"sync: last synced step {last if last is not None else '-'} in {s['destination']}"
@@ -205,7 +227,7 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
         "crashes": len([a for a in attempts if a.cls]),
         "fraction": min(1.0, step / max_steps) if step is not None and max_steps else None,
         "step_s": step_s, "eta_s": eta, "loss": loss_summary(records), "sync": sync,
-        "goodput_detail": goodput_dict(g, 3),
+        "goodput_detail": goodput_dict(g, 3), "costs": costs_data(attempts, kv),
     }
 
 
@@ -284,6 +306,7 @@ def status_renderable(d: dict):
     g = d["goodput_detail"]
     lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
     t.add_row("goodput", f"{g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f"  lost: {lost}" if lost else ""))
+    t.add_row("costs", costs_line(d["costs"]))
     events = Table.grid(padding=(0, 1))
     for e in d["events"][-5:]:
         events.add_row(Text(time.strftime("%H:%M:%S", time.localtime(e["at"])), style="dim"),
@@ -358,7 +381,7 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
                          or c["step"] in (published or ()), "problems": c["problems"]}
                         for c in j.checkpoints()],
         "attempts": [attempt_row(a) for a in attempts],
-        "goodput": st["goodput_detail"], "sync": st["sync"], "events": j.events(30),
+        "goodput": st["goodput_detail"], "sync": st["sync"], "events": j.events(30), "costs": st["costs"],
     }
 
 

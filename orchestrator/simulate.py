@@ -45,6 +45,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from orchestrator.interval import Evidence, choose
 from orchestrator.policy import History, decide, next_history
 from orchestrator.recipe import SupervisorSection
 from orchestrator.types import Action, Crash, CrashClass, Phase
@@ -64,10 +65,18 @@ TRAINING_CLASSES = (CrashClass.FLA_BACKWARD_OOM, CrashClass.OOM_DURING_TRAINING,
 class Scenario:
     name: str = "scenario"
     step_s: float = 18.0               # one training step
-    save_steps: int = 100              # a checkpoint every N steps (resume point)
+    save_steps: int | str = 100        # a checkpoint every N steps (resume point); orchestrator: or "auto"
     total_steps: int = 20_000          # the run: 100 h of training at 18 s/step
     save_s: float = 0.0                # time to write one checkpoint (charged to "checkpoint")
     startup_s: float = 480.0           # launch -> first step (a 400B model's load: 5-10 min)
+    # What the two loops do differently about saves, waits and starts (issue 13). None: as above.
+    plain_save_steps: int | None = None  # the field's interval (100)
+    plain_save_s: float | None = None  # the field's save: the merged copy at every save
+    final_export_s: float = 0.0        # orchestrator, merge = "final": the one merged export after the last step
+    ready_s: float | None = None       # orchestrator: verified-ready relaunch, seconds after the exit (None: the
+                                       # policy's fixed wait_s); nccl_* classes wait at least nccl_settle_s
+    startup_ratio: float = 1.0         # orchestrator: a relaunch's start-up / the first one's (page cache, cached
+                                       # dataset preprocessing); 1.0 until measured
     oom_at_s: float = 240.0            # launch -> cold-start OOM when stale holders still hold the GPUs
     port_fail_s: float = 30.0          # launch -> EADDRINUSE at the rendezvous
     exit_s: float = 10.0               # crash -> every rank gone (both loops)
@@ -107,6 +116,7 @@ class Result:
     launches: int = 0
     gave_up: int = 0
     completed: bool = False
+    intervals: list[int] = field(default_factory=list)  # the save interval of each launch that trained
 
     @property
     def ratio(self) -> float:
@@ -164,7 +174,13 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
     p_total = sum(p for _, p in probs)
     if p_total >= 1:
         raise ValueError(f"crash probability per step {p_total:.3g} >= 1")
-    dt, k = sc.step_s, sc.save_steps
+    dt = sc.step_s
+    fixed = sc.save_steps if orch else (sc.plain_save_steps or sc.save_steps)
+    if fixed == "auto" and not orch:
+        raise ValueError('save_steps = "auto" is the orchestrator\'s; the plain loop saves every plain_save_steps')
+    save_s = sc.save_s if orch or sc.plain_save_s is None else sc.plain_save_s
+    failures, exposed_s = 0, 0.0  # what the orchestrator has seen so far: training crashes, training time
+    started = False               # a start-up after the first is a relaunch (startup_ratio)
     ckpt = 0                      # steps kept (the newest checkpoint)
     stale_until = 0.0             # stale GPU holders hold the memory until then
     port_until = 0.0              # plain: the fixed rendezvous port is taken until then
@@ -172,6 +188,12 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
     nan_at: int | None = None     # a NaN that recurs at this step after a resume
     saved_since_launch = False
     max_wall = max_wall_factor * sc.ideal_s
+
+    def interval_now() -> int:
+        if fixed != "auto":
+            return int(fixed)
+        ev = Evidence(save_s, "scenario", dt, "scenario", failures, exposed_s / HOUR, "this run")
+        return choose(ev).steps
 
     def after_crash(cls: CrashClass, progress: bool) -> None:
         """Leftovers of the dead attempt, then the loop's decision and its waits."""
@@ -193,7 +215,11 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
             clk.charge("gave_up", sc.gave_up_response_s)
             history, nan_at = History(), None  # a person looked, fixed the cause and restarted it
         else:
-            clk.charge("wait", d.wait_s + d.backoff_s)
+            wait = d.wait_s
+            if sc.ready_s is not None:  # relaunched once verified ready; the policy's wait_s is the upper bound
+                settle = cfg.nccl_settle_s if cls.value.startswith("nccl") else 0.0
+                wait = min(wait, max(sc.ready_s, settle))
+            clk.charge("wait", wait + d.backoff_s)
 
     while ckpt < sc.total_steps and clk.t < max_wall:
         # --- before the launch: the orchestrator verifies the GPUs (never launches onto busy ones)
@@ -226,7 +252,10 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
             clk.charge("cleanup", sc.exit_s)
             after_crash(CrashClass.COLD_START_OOM, False)
             continue
-        clk.charge("startup", sc.startup_s)
+        clk.charge("startup", sc.startup_s * (sc.startup_ratio if started and orch else 1.0))
+        started = True
+        k = interval_now()
+        res.intervals.append(k)
         # --- training from ckpt: the next crash
         left = sc.total_steps - ckpt
         steps, cls = _draw_crash(rng, probs, p_total)
@@ -236,17 +265,19 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
         if steps >= left:  # completes
             saves = (sc.total_steps - 1) // k - ckpt // k  # the last step needs no resume point
             clk.charge("productive", left * dt)
-            clk.charge("checkpoint", saves * sc.save_s, "checkpoint_saves")
+            clk.charge("checkpoint", saves * save_s + (sc.final_export_s if orch else 0.0), "checkpoint_saves")
             ckpt = sc.total_steps
             res.completed = True
             break
         steps = int(steps)
+        failures += 1                             # a training crash: interval.run_failures counts it
         crash_step = ckpt + steps                 # steps completed before the failing one
         new_ckpt = crash_step // k * k
         saves = new_ckpt // k - ckpt // k
         clk.cause = cls.value
+        exposed_s += (crash_step - ckpt) * dt + saves * save_s
         clk.charge("productive", (new_ckpt - ckpt) * dt)
-        clk.charge("checkpoint", saves * sc.save_s, "checkpoint_saves")
+        clk.charge("checkpoint", saves * save_s, "checkpoint_saves")
         clk.charge("lost_progress", (crash_step - new_ckpt + rng.random()) * dt)
         saved_since_launch = saves > 0
         if cls is CrashClass.NCCL_TIMEOUT_HANG:
@@ -357,3 +388,4 @@ MIXES = (FIELD, HARSH)
 def with_(sc: Scenario, **changes) -> Scenario:
     """A copy of `sc` with some fields changed (dataclasses.replace, re-exported for bench/tests)."""
     return replace(sc, **changes)
+

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from orchestrator.estimate import lora_param_counts, shape_from_config, target_kinds
+from orchestrator.interval import starting_choice
 from orchestrator.recipe import Recipe
 
 GIB = 1024**3
@@ -156,7 +157,8 @@ def budget(r: Recipe, cfg: Mapping | None, total_bytes: int | None = None,
     persistent = (c.keep_persistent + 1) * published + final_merged if has_persistent else None
     step_s, step_src = (c.step_time_s, "checkpoint.step_time_s") if c.step_time_s \
         else step_time_default(r.model.path)
-    interval = c.save_steps * step_s
+    steps = c.save_steps if c.save_steps != "auto" else starting_choice(sum(parts.values()), step_s, step_src).steps
+    interval = steps * step_s
     return StorageBudget(parts, published, final_merged, keep, source, local, persistent, step_s, step_src,
                          interval, published / interval if has_persistent else 0.0, tuple(notes))
 

@@ -30,12 +30,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator import classify, gpu, pagecache, plan, policy
+from orchestrator import classify, gpu, interval, pagecache, plan, policy
 from orchestrator.host import Host, LocalHost
 from orchestrator.host_probe import first_free_port
 from orchestrator.journal import Journal, journal_path
 from orchestrator.launcher import LaunchError
 from orchestrator.metrics import Metrics
+from orchestrator.node_history import NodeHistory
 from orchestrator.notify import Heartbeat, Notifier
 from orchestrator.published import PublishLock
 from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
@@ -174,6 +175,8 @@ class Supervisor:
         self.history = policy.rebuild_history(earlier, {c["step"] for c in self.journal.checkpoints() if c["ok"]})
         budget, _ = plan.storage_budget(r)
         self.keep_local, self.save_gib = budget.keep_local, sum(budget.per_save_bytes.values()) / GIB
+        self.step_time = budget.step_time_s, budget.step_time_source  # the interval chooser's prior
+        self.node = NodeHistory()  # earlier runs' failures on this node (save_steps = "auto")
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:
@@ -246,7 +249,22 @@ class Supervisor:
             self._sleep(r.supervisor.wait_s)
             return State.VERIFYING
         n = (before.n if before else self.attempts_before) + 1  # in memory: a full disk may hold the journal's rows
-        cmd = render_command(r, resume, port)
+        earlier = self.journal.attempts()
+        unwritten = self.node.record(self.run_id, *interval.run_failures(earlier, now), now)
+        save_steps = r.checkpoint.save_steps
+        if save_steps == "auto":  # from the measured save cost, step time and failure rate (interval.py)
+            choice = interval.choose(interval.evidence(earlier, self.node.others(self.run_id), self.save_gib * GIB,
+                                                       None, *self.step_time, now))
+            save_steps = choice.steps
+            self.journal.event("save_interval", f"attempt {n}: {choice.reason}", **choice.as_dict(),
+                               **({"node_history_unwritten": unwritten} if unwritten else {}))
+        self.metrics.save_interval(save_steps)
+        self.journal.put(save_interval=save_steps)  # status, history, the report
+
+        def measured(kind: str, seconds: float, details: dict) -> None:
+            (self.metrics.startup_cost if kind == "startup" else self.metrics.save_cost)(seconds)
+            self.journal.event(f"{kind}_seconds", f"attempt {n}: {kind} took {seconds:.1f} s", seconds=seconds, **details)
+        cmd = render_command(r, resume, port, save_steps)
         log = self.state_dir / "attempts" / f"attempt-{n:04d}.log"
         # The row first: a supervisor killed right after the launch leaves a row its successor closes.
         row = Attempt(n, now, port=port, resumed_from=resume.path if resume else None, log_path=str(log),
@@ -259,7 +277,8 @@ class Supervisor:
             self.journal.event("launch_failed", str(e))
             raise RecipeError(str(e)) from e
         self.attempt = AttemptWatch.start(n, launched, port, resume, self.out,
-                                          replace(row, pid=launched.pid, pid_start_time=launched.create_time))
+                                          replace(row, pid=launched.pid, pid_start_time=launched.create_time),
+                                          save_steps, measured)
         self.journal.record_attempt(self.attempt.row)
         self.checkpoints.forget_after(self.attempt.good_step_at_launch)
         self.journal.event("launch", f"attempt {n} pid {launched.pid} port {port}"

@@ -138,6 +138,9 @@ class Attempt:
     first_step_at: float | None = None   # goodput: startup ends here
     last_step_at: float | None = None
     hang_detected_at: float | None = None
+    startup_s: float | None = None       # launch -> first step record (costs.py)
+    save_s: float | None = None          # mean seconds of this attempt's measured saves
+    save_count: int | None = None        # how many saves save_s averages
 
 
 class Action(StrEnum):

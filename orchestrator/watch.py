@@ -6,10 +6,12 @@ functions in policy.py and progress.py.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator import progress
+from orchestrator import costs, manifest, progress
 from orchestrator.checkpoints import logged_losses
 from orchestrator.launcher import FileTail, Launched
 from orchestrator.types import Attempt, Crash, Decision, Progress, Resume
@@ -50,13 +52,21 @@ class AttemptWatch:
     bad: tuple[str, ...] = ()                  # the NaN/Inf line, once seen
     bad_step: int | None = None
     resume_checked: bool = False
+    # What saves and the start cost (costs.py): step records as first seen, saves not yet measured.
+    output_dir: Path | None = None
+    save_steps: int | None = None              # the interval this attempt was rendered with
+    on_cost: Callable[[str, float, dict], None] | None = None  # ("startup" | "save", seconds, details)
+    seen: list[tuple[int, float]] = field(default_factory=list)
+    saves_pending: set[int] = field(default_factory=set)
+    saves: list[float] = field(default_factory=list)
 
     @classmethod
     def start(cls, n: int, launched: Launched, port: int, resume: Resume | None, output_dir: Path,
-              row: Attempt) -> AttemptWatch:
+              row: Attempt, save_steps: int | None = None,
+              on_cost: Callable[[str, float, dict], None] | None = None) -> AttemptWatch:
         jsonl = output_dir / "logging.jsonl"
         return cls(n, launched, port, resume, row, FileTail(launched.log_path), FileTail(jsonl, from_end=True),
-                   logged_losses(jsonl))
+                   logged_losses(jsonl), output_dir=output_dir, save_steps=save_steps, on_cost=on_cost)
 
     @property
     def good_step_at_launch(self) -> int:
@@ -70,6 +80,10 @@ class AttemptWatch:
             if p is not None:
                 fresh.append(p)
                 self._check(p, line)
+            else:
+                saved = costs.saved_step(line)
+                if saved is not None and saved > self.good_step_at_launch:
+                    self.saves_pending.add(saved)
         for line in self.jsonl.lines(None if drain else 8 << 20):
             if finished_record(line):
                 self.finished = True
@@ -84,7 +98,41 @@ class AttemptWatch:
                 self.last, self.last_step_at, self.last_step_mono = p, now, mono
             if self.first_step is None:
                 self.first_step, self.first_step_at = p.step, now
+                self._cost("startup", costs.startup_seconds(self.row.started_at, now), {})
+            if not self.seen or p.step > self.seen[-1][0]:
+                self.seen.append((p.step, now))
+                if self.save_steps and p.step % self.save_steps == 0:
+                    self.saves_pending.add(p.step)
+        self._measure_saves()
         return fresh
+
+    def _measure_saves(self) -> None:
+        """Each save once a later step record shows how long training paused for it (else its files' times)."""
+        if not self.saves_pending or not self.seen:
+            return
+        del self.seen[:-256]  # enough for the step time; a pass never needs older records
+        newest = self.seen[-1][0]
+        k = self.save_steps
+        step_s = costs.step_seconds(self.seen, self.saves_pending | {s for s, _ in self.seen if k and s % k == 0})
+        for s in sorted(x for x in self.saves_pending if x < newest):
+            self.saves_pending.discard(s)
+            d = self.output_dir / f"checkpoint-{s}" if self.output_dir else None
+            files = _file_times(d) if d is not None else []
+            got = costs.save_seconds(costs.save_seconds_from_steps(self.seen, s, step_s),
+                                     costs.save_seconds_from_files(files))
+            if got is not None:
+                self.saves.append(got[0])
+                self._cost("save", got[0], {"step": s, "source": got[1]})
+
+    def _cost(self, kind: str, seconds: float | None, details: dict) -> None:
+        if seconds is None:
+            return
+        if kind == "startup":
+            self.row = replace(self.row, startup_s=round(seconds, 3))
+        else:
+            self.row = replace(self.row, save_s=round(sum(self.saves) / len(self.saves), 3), save_count=len(self.saves))
+        if self.on_cost:
+            self.on_cost(kind, seconds, details)
 
     def _check(self, p: Progress, line: str) -> None:
         if progress.andon(p) and not self.bad:
@@ -94,3 +142,14 @@ class AttemptWatch:
     def done(self) -> bool:
         last = self.last
         return self.finished or (last is not None and last.max_steps is not None and last.step >= last.max_steps)
+
+
+def _file_times(checkpoint_dir: Path) -> list[float]:
+    """mtimes of a checkpoint's files (not our manifest); [] when it is gone."""
+    out = []
+    try:
+        for rel in manifest.list_files(checkpoint_dir):
+            out.append(os.stat(checkpoint_dir / rel).st_mtime)
+    except OSError:
+        return []
+    return out

@@ -73,3 +73,9 @@ def write_recipe(directory: Path, /, name: str = "recipe.toml", *, base: dict = 
 def write_recipe_in_tmp_path(tmp_path):
     """write_recipe(name="recipe.toml", **sections) -> Path, in tmp_path."""
     return functools.partial(write_recipe, tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _node_state_dir(tmp_path_factory, monkeypatch):
+    """Every test's supervisors keep their node history (node_history.py) in a temporary directory, never ~."""
+    monkeypatch.setenv("ORCHESTRATOR_NODE_STATE_DIR", str(tmp_path_factory.mktemp("node-state")))

@@ -1,7 +1,8 @@
 """Imports go downwards only: the package's modules form a DAG in layers, checked from the source.
 
     domain        types
-    decisions     pure functions of data: recipe, render, progress, classify, policy, goodput, estimate, simulate, storage
+    decisions     pure functions of data: recipe, render, progress, classify, policy, goodput, estimate, simulate, storage,
+                  costs, interval
     world         side effects behind small interfaces: host, launcher, gpu, journal, checkpoints, sync, metrics, ...
     loop          supervisor
     operations    commands and presentation: cli, plan's printing, report, html_report, demo, service, tiny
@@ -19,10 +20,10 @@ PKG = ROOT / "orchestrator"
 LAYERS = {
     "domain": {"types", "orchestrator"},   # the package itself: imports nothing
     "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate",
-                  "retention", "storage"},
+                  "retention", "storage", "costs", "interval", "simulate_report"},
     "world": {"host", "launcher", "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
               "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe",
-              "published", "shm", "pagecache"},
+              "published", "shm", "pagecache", "node_history"},
     "loop": {"supervisor"},
     "operations": {"cli", "report", "html_report", "demo", "service", "tiny", "__main__"},
 }

@@ -300,3 +300,23 @@ def test_memory_unknown_model(write_recipe):
     r = R.load(write_recipe(model={"path": "/nonexistent/model", "num_experts": 16}))
     e = plan.memory(r, NO_DRIVER)
     assert e.base_weights_gib == 0 and any("config.json" in n for n in e.notes)
+
+
+# --- the save interval plan starts with (interval.py) ------------------------------------------
+@pytest.mark.parametrize("save_steps, mode", [(100, "fixed"), ("auto", "auto")])
+def test_plan_shows_the_save_interval(save_steps, mode, monkeypatch, tmp_path):
+    from orchestrator import node_history
+    from orchestrator.rundir import run_id
+    r = R.load(next(p for p in RECIPES if p.name.startswith("qwen3.5-397b")))
+    r = r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"save_steps": save_steps})})
+    out = plan.plan(r, FakeReader(NO_DRIVER))  # not probed: the default write speed
+    si = out["save_interval"]
+    argv = out["argv"]
+    assert si["mode"] == mode and int(argv[argv.index("--save_steps") + 1]) == si["steps"]
+    assert "Young/Daly" in si["reason"] and "default write speed" in si["auto"]["save_source"]
+    assert si["steps"] == (100 if mode == "fixed" else si["auto"]["steps"])
+    # an earlier run on this node that crashed every half hour: a shorter start
+    node_history.NodeHistory().record("another-run", 40, 20.0, 1.0)
+    assert plan.plan(r, FakeReader(NO_DRIVER))["save_interval"]["auto"]["steps"] < si["auto"]["steps"]
+    node_history.NodeHistory().record(run_id(r.run.output_dir), 1000, 1.0, 1.0)  # its own entry is not "earlier"
+    assert plan.plan(r, FakeReader(NO_DRIVER))["save_interval"]["auto"]["failures"] == 40

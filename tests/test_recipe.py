@@ -640,3 +640,13 @@ def test_swift_backend_merge(write_recipe, merge, ok):
 def test_shipped_large_recipes_merge_once_after_training():
     for name in ("qwen3.5-397b-a17b-lora-ep8.toml", "qwen3-235b-a22b-lora-ep8.toml"):
         assert R.load(ROOT / "recipes" / name).checkpoint.merge == "final"
+
+
+def test_save_steps_auto_is_accepted_and_outside_the_hash(write_recipe):
+    from orchestrator.recipe import RecipeError, load, recipe_hash
+    fixed = load(write_recipe(checkpoint={"save_steps": 100}))
+    auto = load(write_recipe(checkpoint={"save_steps": "auto"}))
+    assert auto.checkpoint.save_steps == "auto" and recipe_hash(auto) == recipe_hash(fixed)
+    for bad in ("sometimes", 0, 2.5):
+        with pytest.raises(RecipeError, match="save_steps"):
+            load(write_recipe(checkpoint={"save_steps": bad}))

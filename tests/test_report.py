@@ -384,3 +384,32 @@ def test_eta_after_a_resume_uses_the_resumed_attempts_own_rate(tmp_path, trainer
         j.close()
     assert d["step_s"] == pytest.approx(3.0)
     assert d["eta_s"] == pytest.approx(17 * 3.0)
+
+
+def test_costs_show_in_status_history_and_the_report(tmp_path):
+    """Measured start-up and save seconds (journal attempts.startup_s/save_s/save_count) and the interval in use."""
+    r = load(fake_recipe(tmp_path, iterations=20))
+    out = Path(r.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    j = Journal(journal_path(state_dir(out)))
+    t = time.time() - 3600
+    j.record_attempt(Attempt(1, t, ended_at=t + 900, cls=CrashClass.HOST_OOM_KILLED, start_step=0, end_step=26,
+                             startup_s=480.0, save_s=100.0, save_count=1))
+    j.record_attempt(Attempt(2, t + 1000, start_step=20, startup_s=300.0, save_s=40.0, save_count=3))
+    j.record_attempt(Attempt(3, t + 2000, start_step=20))  # not started yet: nothing measured
+    j.put(state="running", save_interval=85, output_dir=str(out))
+    j.close()
+    ro = Journal(journal_path(state_dir(out)), readonly=True)
+    try:
+        c = report.status_data(r, ro)["costs"]
+        assert c == {"startup_s_last": 300.0, "startup_s_mean": 390.0, "starts": 2, "save_s_mean": 55.0, "saves": 4,
+                     "save_interval_steps": 85}
+        h = report.history_data(r, ro)
+        assert h["costs"] == c and [a["save_count"] for a in h["attempts"]] == [1, 3, 0]
+        assert json.loads(json.dumps(h))["attempts"][0]["startup_s"] == 480.0
+        assert "costs: start-up 5m 00s last, 6m 30s mean of 2; save 55s mean of 4; saving every 85 steps" \
+            in report.history_table(h)
+        page = Path(report.write_html(r, ro, tmp_path / "r.html")).read_text()
+    finally:
+        ro.close()
+    assert "<h2>Costs</h2>" in page and "save 55.0 s mean of 4" in page and "40.0 s × 3" in page

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from orchestrator import simulate as S
+from orchestrator import simulate_report as R
 from orchestrator.recipe import SupervisorSection
 from orchestrator.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate, with_
 
@@ -199,3 +200,72 @@ def test_an_impossible_run_ends_at_the_wall_cap():
     r = simulate(sc, "plain", seed=0, max_wall_factor=3)
     assert not r.completed and r.wall_s >= 3 * sc.ideal_s and r.productive_s == 0 and r.ratio == 0
     assert math.isfinite(r.wall_s)
+
+
+# --- issue 13: saves, waits and starts priced (simulate_report.py); `orchestrator simulate` ----------
+
+def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
+    from conftest import RECIPES
+    from orchestrator import plan, storage
+    from orchestrator.recipe import load
+    r = load(next(p for p in RECIPES if p.name.startswith("qwen3.5-397b")))
+    cfg, total = plan.model_config(r)
+    b = storage.budget(r, cfg, total)
+    assert r.checkpoint.merge == "final"
+    assert sum(b.per_save_bytes.values()) == R.ORCH_SAVE_BYTES and b.final_merged_bytes == R.MERGED_BYTES
+
+
+def test_priced_charges_each_loop_its_own_saves_waits_and_starts():
+    i = R.Inputs(save_steps=100, write_bytes_per_s=2**30)
+    sc = R.priced(Scenario(total_steps=1000), i)
+    orch, plain = simulate(sc, "orchestrator", 0), simulate(sc, "plain", 0)
+    assert orch.lost["checkpoint"] == pytest.approx(9 * i.orch_save_s + i.orch_final_bytes / 2**30)
+    assert plain.lost["checkpoint"] == pytest.approx(9 * i.plain_save_s)  # the merged copy at every save
+
+
+@pytest.mark.parametrize("cls, wait", [("fla_backward_oom", 5.0), ("nccl_error", 30.0)])
+def test_verified_ready_wait_replaces_the_fixed_one(cls, wait):
+    sc = Scenario(per_hour={cls: 0.5}, ready_s=5.0)
+    r = simulate(sc, "orchestrator", seed=5, supervisor=NO_GUARDS)
+    assert r.lost["wait"] == pytest.approx(wait * sum(r.crashes.values()))
+    assert simulate(sc, "plain", seed=5).lost["wait"] == pytest.approx(90.0 * sum(simulate(sc, "plain", 5).crashes.values()))
+
+
+def test_startup_ratio_applies_to_relaunches_only():
+    sc = Scenario(per_step={"fla_backward_oom": 1 / 500}, startup_ratio=0.5)
+    r = simulate(sc, "orchestrator", seed=1, supervisor=NO_GUARDS)
+    assert r.lost["startup"] == pytest.approx(480.0 + 240.0 * (r.launches - 1))
+
+
+def test_auto_interval_follows_the_evidence():
+    """save_steps = auto: Daly's interval at every launch from the crashes seen; more crashes, shorter intervals."""
+    calm, rough = (R.priced(FIELD, R.Inputs(crash_rate_per_h=rate)) for rate in (0.1, 2.0))
+    a, b = simulate(calm, "orchestrator", 3), simulate(rough, "orchestrator", 3)
+    assert a.intervals[0] == b.intervals[0]  # the same prior at the first launch
+    assert max(b.intervals[-5:]) < a.intervals[0] < min(a.intervals[-3:])
+    with pytest.raises(ValueError, match="plain"):
+        simulate(with_(FIELD, save_steps="auto"), "plain", 0)
+
+
+def test_crash_rate_scales_the_mix():
+    sc = R.at_crash_rate(HARSH, 1.0)
+    assert R.crashes_per_hour(sc) == pytest.approx(1.0)
+    assert sc.per_hour["nccl_error"] / sc.per_hour["cuda_fatal"] == pytest.approx(48 / 10)
+
+
+def test_simulate_command(tmp_path):
+    import json as _json
+    from click.testing import CliRunner
+    from orchestrator.cli import main
+    out = CliRunner().invoke(main, ["simulate", "--mix", "harsh", "--seeds", "4", "--json"])
+    assert out.exit_code == 0, out.output
+    d = _json.loads(out.output)
+    assert d["mix"] == "harsh" and set(d) >= {"mix", "orchestrator", "plain", "inputs"}
+    for loop in LOOPS:
+        assert 0 < d[loop]["ett"] < 1 and set(d[loop]["lost"]) == set(KINDS[1:])
+    assert d["inputs"]["save_steps"] == "auto" and d["inputs"]["ready_s"] == 5.0
+    text = CliRunner().invoke(main, ["simulate", "--seeds", "2", "--save-steps", "100", "--fixed-wait"]).output
+    assert "orchestrator ETT" in text and "plain" in text and "sleep 90" in text and "after the fixed" in text
+    for bad in (["--save-steps", "0"], ["--crash-rate", "-1"], ["--write-gib-s", "0"]):
+        r = CliRunner().invoke(main, ["simulate", *bad])
+        assert r.exit_code == 2 and "error" in r.output

@@ -538,3 +538,64 @@ def test_rebuild_history_table():
 def load_default_supervisor():
     from orchestrator.recipe import SupervisorSection
     return SupervisorSection()
+
+
+# --- save_steps = "auto" and the measured costs (interval.py, costs.py) -----------------------------
+def _argv_save_steps(t) -> int:
+    argv = list(t.cmd.argv)
+    return int(argv[argv.index("--save_steps") + 1])
+
+
+def test_auto_save_interval_is_chosen_at_every_launch_from_the_evidence(world, monkeypatch):
+    from orchestrator import interval
+    sup, host = world(checkpoint={"save_steps": "auto"}, supervisor={"max_relaunches_without_progress": 100})
+    drive(sup, State.LAUNCHING)  # the tiny model's save written at a speed that makes it take 100 s
+    monkeypatch.setattr(interval, "DEFAULT_WRITE_BYTES_PER_S", sup.save_gib * 2**30 / 100)
+    t = running(sup, host)
+    first = interval.starting_choice(sup.save_gib * 2**30, *sup.step_time)
+    assert _argv_save_steps(t) == first.steps
+    ev = [e for e in journal(sup).events(200) if e["kind"] == "save_interval"]
+    assert len(ev) == 1 and ev[0]["data"]["steps"] == first.steps and "prior" in ev[0]["data"]["save_source"]
+    for _ in range(3):  # crashes shorten the mean time between failures: the interval shrinks
+        t.steps(1, 2, MAX)
+        t.exit(signal=9)
+        assert sup.step() is State.CRASHED
+        drive(sup, State.RUNNING)
+        t = host.trainers[-1]
+    ev = [e for e in journal(sup).events(400) if e["kind"] == "save_interval"]
+    assert len(ev) == 4 and ev[-1]["data"]["failures"] == 3
+    assert _argv_save_steps(t) == ev[-1]["data"]["steps"] < first.steps
+
+
+def test_a_fixed_save_interval_is_rendered_as_given(world):
+    sup, host = world(checkpoint={"save_steps": 7})
+    assert _argv_save_steps(running(sup, host)) == 7
+    assert not [e for e in journal(sup).events(200) if e["kind"] == "save_interval"]
+
+
+def test_startup_and_save_seconds_are_measured_and_journalled(world):
+    sup, host = world(checkpoint={"save_steps": 4})
+    t = running(sup, host)
+    launched_at = journal(sup).last_attempt().started_at
+    host.mono += 20.0           # the model load
+    t.steps(1, 2, MAX)
+    sup.step()                  # first step seen: startup = 20 s + the 0.5 s poll
+    host.mono += 0.5
+    t.steps(3, 4, MAX)
+    sup.step()                  # 2 steps per 1 s pass: 0.5 s per step
+    t.write("[INFO:swift] Saving model checkpoint to /o/checkpoint-4")
+    host.mono += 29.5           # the save
+    sup.step()
+    t.steps(5, 6, MAX)
+    sup.step()                  # step 6 seen 30.5 s after step 4: 30.5 - 2 x 0.5 = 29.5 s of saving
+    row = sup.attempt.row
+    assert row.startup_s == pytest.approx(20.5) and row.save_s == pytest.approx(29.5) and row.save_count == 1
+    t.exit(signal=9)
+    drive(sup, State.WAITING)   # CLEANING records the row, with its costs
+    rec = journal(sup).last_attempt()
+    assert rec.started_at == launched_at and (rec.startup_s, rec.save_s, rec.save_count) == (20.5, 29.5, 1)
+    kinds = [e["kind"] for e in journal(sup).events(200)]
+    assert "startup_seconds" in kinds and "save_seconds" in kinds
+    assert sup.metrics.exposition().count(b"orchestrator_checkpoint_save_seconds 29.5") == 1
+    assert b"orchestrator_startup_seconds 20.5" in sup.metrics.exposition()
+    assert b"orchestrator_save_interval_steps 4.0" in sup.metrics.exposition()

@@ -20,3 +20,14 @@ def flags(pairs: Iterable[tuple[str, object]]) -> list[str]:
             continue
         out += [f"--{name}", *value(v)]
     return out
+
+
+def chosen_save_steps(recipe, chosen: int | None) -> int:
+    """The --save_steps of one launch: the chosen interval, else the recipe's fixed one. "auto" has no
+    number of its own: the supervisor (interval.py) chooses one at every launch and passes it in."""
+    if chosen is not None:
+        return chosen
+    fixed = recipe.checkpoint.save_steps
+    if fixed == "auto":
+        raise ValueError('checkpoint.save_steps = "auto": render with the chosen interval (save_steps=N)')
+    return fixed

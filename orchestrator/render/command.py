@@ -40,7 +40,7 @@ def _backend(recipe: Recipe):
 def duplicated_extra_args(recipe: Recipe) -> list[str]:
     """extra_args keys that the recipe already renders (fresh or resumed): the last one would win silently."""
     backend = _backend(recipe)
-    rendered = {w[2:] for resume in (None, Resume("ckpt", 1)) for w in backend.arguments(recipe, resume)
+    rendered = {w[2:] for resume in (None, Resume("ckpt", 1)) for w in backend.arguments(recipe, resume, 1)
                 if w.startswith("--")}
     return sorted(k for k in recipe.extra_args if k in rendered)
 
@@ -51,8 +51,9 @@ def rendering_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
                                    f"(see `orchestrator plan`)") for k in duplicated_extra_args(recipe)]
 
 
-def render_command(recipe: Recipe, resume: Resume | None, port: int) -> Command:
+def render_command(recipe: Recipe, resume: Resume | None, port: int, save_steps: int | None = None) -> Command:
+    """`save_steps`: this launch's checkpoint interval (interval.py's choice); required for "auto"."""
     backend = _backend(recipe)
     exe = list(recipe.run.entrypoint or [backend.EXECUTABLE])
-    argv = exe + ["sft"] + backend.arguments(recipe, resume) + flags(recipe.extra_args.items())
+    argv = exe + ["sft"] + backend.arguments(recipe, resume, save_steps) + flags(recipe.extra_args.items())
     return Command(argv=tuple(argv), env=environment(recipe, port, backend.ENV))

@@ -3,7 +3,7 @@ ms-swift defaults that changed between versions (finetune, merge_lora, tuner_typ
 from __future__ import annotations
 
 from orchestrator.recipe import Recipe
-from orchestrator.render.argv import flags
+from orchestrator.render.argv import chosen_save_steps, flags
 from orchestrator.types import Resume
 
 EXECUTABLE = "megatron"
@@ -16,7 +16,8 @@ ENV = {
 }
 
 
-def arguments(r: Recipe, resume: Resume | None) -> list[str]:
+def arguments(r: Recipe, resume: Resume | None, save_steps: int | None = None) -> list[str]:
+    """`save_steps`: the interval chosen for this launch (required when checkpoint.save_steps is "auto")."""
     m, d, p, mem, lora, o, c = r.model, r.data, r.parallel, r.memory, r.lora, r.optim, r.checkpoint
     full = mem.recompute_granularity == "full"
     pairs = [
@@ -42,7 +43,7 @@ def arguments(r: Recipe, resume: Resume | None) -> list[str]:
         ("train_iters", o.iterations),
         ("lr", o.lr), ("min_lr", o.min_lr), ("lr_warmup_fraction", o.warmup_fraction), ("seed", o.seed),
         ("output_dir", r.run.output_dir), ("add_version", False), ("check_model", False),
-        ("save_steps", c.save_steps), ("logging_steps", c.logging_steps),
+        ("save_steps", chosen_save_steps(r, save_steps)), ("logging_steps", c.logging_steps),
         ("save_safetensors", True), ("merge_lora", c.merge == "every_save"),  # "final": exported after training
         ("no_save_optim", not c.keep_optimizer), ("no_save_rng", not c.keep_optimizer),
         ("save_total_limit", c.save_total_limit), ("ddp_timeout", p.ddp_timeout_s),

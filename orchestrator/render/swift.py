@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from orchestrator.recipe import Recipe
-from orchestrator.render.argv import flags
+from orchestrator.render.argv import chosen_save_steps, flags
 from orchestrator.types import Resume
 
 EXECUTABLE = "swift"
 ENV: dict[str, str] = {}
 
 
-def arguments(r: Recipe, resume: Resume | None) -> list[str]:
+def arguments(r: Recipe, resume: Resume | None, save_steps: int | None = None) -> list[str]:
+    """`save_steps`: the interval chosen for this launch (required when checkpoint.save_steps is "auto")."""
     m, d, p, lora, o, c = r.model, r.data, r.parallel, r.lora, r.optim, r.checkpoint
     accumulation = o.global_batch_size // (o.micro_batch_size * p.data_parallel)
     pairs = [
@@ -26,7 +27,7 @@ def arguments(r: Recipe, resume: Resume | None) -> list[str]:
         ("num_train_epochs", o.epochs), ("max_steps", o.iterations),
         ("learning_rate", o.lr), ("warmup_ratio", o.warmup_fraction), ("seed", o.seed),
         ("output_dir", r.run.output_dir), ("add_version", False), ("check_model", False),
-        ("save_steps", c.save_steps), ("logging_steps", c.logging_steps),
+        ("save_steps", chosen_save_steps(r, save_steps)), ("logging_steps", c.logging_steps),
         ("save_only_model", not c.keep_optimizer), ("save_total_limit", c.save_total_limit),
         ("ddp_timeout", p.ddp_timeout_s),
         # transformers' JIT checkpoint: SIGTERM (a stop, a spot notice) saves the current step first.
