@@ -51,6 +51,8 @@ class Host(Protocol):
     def kill(self, pids: list[int]) -> None: ...
     def dump_stacks(self, root_pid: int, out: Path) -> None: ...
     def read_tail(self, path: Path) -> str: ...
+    def failure_log(self, trainer: Trainer) -> tuple[str, str | None]:
+        """The text to classify a failed attempt from, and the node that failed first (None: one node)."""
 
     # --- resources
     def gpu_snapshot(self) -> GpuSnapshot: ...
@@ -99,6 +101,9 @@ class LocalHost:
 
     def read_tail(self, path: Path) -> str:
         return launcher.read_tail(path)
+
+    def failure_log(self, trainer: launcher.Launched) -> tuple[str, str | None]:
+        return launcher.read_tail(trainer.log_path), None
 
     def gpu_snapshot(self) -> GpuSnapshot:
         return self.gpus.snapshot()

@@ -98,6 +98,7 @@ class DataSection(_Section):
 
 class ParallelSection(_Section):
     nproc_per_node: int = Field(default=8, gt=0)
+    nnodes: int = Field(default=1, gt=0)   # > 1: one Slurm job step over that many nodes (docs/slurm.md)
     tensor: int = Field(default=1, gt=0)
     pipeline: int = Field(default=1, gt=0)
     context: int = Field(default=1, gt=0)

@@ -138,6 +138,7 @@ class Attempt:
     first_step_at: float | None = None   # goodput: startup ends here
     last_step_at: float | None = None
     hang_detected_at: float | None = None
+    node: str | None = None              # multi-node: the node whose task failed first
 
 
 class Action(StrEnum):

@@ -119,7 +119,11 @@ class FakeHost:
     def read_tail(self, path: Path) -> str:
         return Path(path).read_text()
 
+    def failure_log(self, trainer: FakeTrainer) -> tuple[str, str | None]:
+        return self.read_tail(trainer.log_path), None
+
     # --- resources
+
     def gpu_snapshot(self) -> GpuSnapshot:
         self.calls.append(("gpu_snapshot",))
         return GpuSnapshot(tuple(
