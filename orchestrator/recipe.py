@@ -109,7 +109,7 @@ class ParallelSection(_Section):
 
     @property
     def data_parallel(self) -> int:
-        return self.nproc_per_node // (self.tensor * self.pipeline * self.context)
+        return self.nproc_per_node * self.nnodes // (self.tensor * self.pipeline * self.context)
 
 
 class MemorySection(_Section):

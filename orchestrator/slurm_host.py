@@ -15,7 +15,7 @@ from pathlib import Path
 from orchestrator import gpu, launcher
 from orchestrator.host import Host, LocalHost
 from orchestrator.launch import slurm
-from orchestrator.recipe import Recipe, RecipeError
+from orchestrator.recipe import Recipe
 from orchestrator.types import Command
 
 
@@ -93,12 +93,9 @@ class SlurmHost(LocalHost):
 
 
 def host_for(recipe: Recipe, gpu_reader: gpu.GpuReader) -> Host:
-    """LocalHost for one node (today's behaviour); SlurmHost for parallel.nnodes > 1 inside an allocation."""
-    nnodes = recipe.parallel.nnodes
-    if nnodes <= 1:
-        return LocalHost(gpu_reader)
+    """LocalHost for one node (today's behaviour); SlurmHost for parallel.nnodes > 1 inside an allocation
+    (outside one, pre-flight's `nodes` check refuses the run before anything is launched)."""
     job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        raise RecipeError(f"parallel.nnodes = {nnodes} needs a Slurm allocation, and SLURM_JOB_ID is not set: "
-                          f"submit with `orchestrator sbatch RECIPE`, or run inside `salloc --nodes={nnodes}`")
-    return SlurmHost(gpu_reader, nnodes, job)
+    if recipe.parallel.nnodes > 1 and job:
+        return SlurmHost(gpu_reader, recipe.parallel.nnodes, job)
+    return LocalHost(gpu_reader)

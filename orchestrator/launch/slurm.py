@@ -62,13 +62,14 @@ def node_log(log_path: Path, node: str) -> Path:
 
 
 def srun_argv(alloc: Allocation, nnodes: int, step_name: str, log_path: Path, argv: list[str]) -> list[str]:
-    """One task per node running node_exec (NODE_RANK from SLURM_NODEID), each node's output in its
-    own file (%N: the node's name); srun's own messages go to srun's stderr, the attempt log."""
+    """One task per node running node_exec (NODE_RANK from SLURM_NODEID), which sends the node's output
+    to its own file, named by the Slurm node name (srun's --output=%N is the host name, which several
+    slurmd on one host share); srun's own messages go to srun's stderr, the attempt log."""
     return ["srun", f"--jobid={alloc.job_id}", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1", f"--job-name={step_name}", "--export=ALL", "--unbuffered",
             f"--nodelist={','.join(alloc.nodes[:nnodes])}",
-            f"--output={node_log(log_path, '%N')}", "--input=none",
-            sys.executable, "-m", "orchestrator.node_exec", "--", *argv]
+            "--input=none", sys.executable, "-m", "orchestrator.node_exec",
+            f"--log={node_log(log_path, '{node}')}", "--", *argv]
 
 
 def _slurm(*argv: str) -> str:
