@@ -219,3 +219,19 @@ def test_node_two_sigkilled_kills_node_one_and_resumes_from_the_last_checkpoint(
     if REFERENCE:  # the uninterrupted 2-node run of the test above
         assert resumed[0][1] == pytest.approx(REFERENCE[ckpt + 1], rel=1e-6)
     assert max(s for s, _ in records) == 40
+
+
+def test_sbatch_dry_run_prints_a_batch_script_and_submits_nothing(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": str(REPO),
+           "PATH": "/nonexistent"}  # no sbatch reachable: a dry run must not need one
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "sbatch", str(DEMO), "--set", "parallel.nnodes=4",
+                           "--set", f"run.output_dir={json.dumps(str(tmp_path / 'o u t'))}", "--dry-run"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --requeue",
+            "#SBATCH --signal=B:USR1@300", "#SBATCH --gpus-per-node=1"} <= set(lines)
+    assert any(" -m orchestrator run " in line and "'run.output_dir=" in line for line in lines), "overrides quoted"
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in done.stdout
+    assert not (tmp_path / "o u t").exists(), "nothing written"
