@@ -306,6 +306,29 @@ def report(recipe: Path, overrides: tuple[str, ...], output: Path | None) -> Non
     click.echo(write_html(r, j, output))
 
 
+@main.command(name="sbatch")
+@RECIPE
+@SET
+@click.option("--dry-run", is_flag=True, help="Print the batch script; submit nothing.")
+def sbatch_cmd(recipe: Path, overrides: tuple[str, ...], dry_run: bool) -> None:
+    """Write RECIPE's Slurm batch script (parallel.nnodes nodes) and submit it with sbatch."""
+    from orchestrator.launch import sbatch
+
+    r = load_recipe(recipe, overrides)
+    text = sbatch.script(r, recipe, overrides)
+    if dry_run:
+        click.echo(text, nl=False)
+        return
+    path = Path(r.run.output_dir) / f"{r.run.name}.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    try:
+        job = sbatch.submit(path)
+    except (OSError, RuntimeError) as e:
+        fail(f"{e}; check that you are on a Slurm login node", ExitCode.BAD_INPUT)
+    click.echo(f"submitted {path} as job {job}")
+
+
 @main.command(name="install-service")
 @RECIPE
 @click.option("--name", help="systemd instance name (default: run.name).")

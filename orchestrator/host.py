@@ -54,6 +54,8 @@ class Host(Protocol):
     def read_tail(self, path: Path) -> str: ...
     def newest_write(self, output_dir: Path) -> float | None:
         """Wall time of the newest file write under output_dir's checkpoint directories (a save in progress)."""
+    def failure_log(self, trainer: Trainer) -> tuple[str, str | None]:
+        """The text to classify a failed attempt from, and the node that failed first (None: one node)."""
 
     # --- resources
     def gpu_snapshot(self) -> GpuSnapshot: ...
@@ -127,6 +129,9 @@ class LocalHost:
                         continue
                     newest = m if newest is None else max(newest, m)
         return newest
+
+    def failure_log(self, trainer: launcher.Launched) -> tuple[str, str | None]:
+        return launcher.read_tail(trainer.log_path), None
 
     def gpu_snapshot(self) -> GpuSnapshot:
         return self.gpus.snapshot()

@@ -138,6 +138,18 @@ def check_port(r: Recipe) -> Check:
     return Check("rendezvous_port", True, f"{port} free (range {lo}-{hi})")
 
 
+def check_slurm(r: Recipe, environ=os.environ) -> list[Check]:
+    """parallel.nnodes > 1 runs as a Slurm job step: only inside an allocation (docs/slurm.md).
+    One node: no check (today's plan, unchanged)."""
+    n = r.parallel.nnodes
+    if n <= 1:
+        return []
+    if not environ.get("SLURM_JOB_ID"):
+        return [Check("nodes", False, f"parallel.nnodes = {n} needs a Slurm allocation, and SLURM_JOB_ID is not set: "
+                                     f"submit with `orchestrator sbatch RECIPE`, or run inside `salloc --nodes={n}`")]
+    return [Check("nodes", True, f"{n} nodes of Slurm job {environ['SLURM_JOB_ID']}")]
+
+
 def check_trainer(r: Recipe) -> Check:
     """argv[0] of the rendered command exists and is executable, found as the launch will find it
     (else the launch fails with no exit status to classify, and a restart fails the same way)."""
@@ -168,7 +180,7 @@ def check_layout(r: Recipe) -> list[Check]:
 
 def preflight(r: Recipe, snap: GpuSnapshot) -> list[Check]:
     return [check_model(r), check_data(r), *check_storage(r, *storage_budget(r)), check_gpus(r, snap), check_port(r),
-            *check_layout(r), check_trainer(r)]
+            *check_layout(r), check_trainer(r), *check_slurm(r)]
 
 
 def memory(r: Recipe, snap: GpuSnapshot) -> estimate.MemoryEstimate:

@@ -98,6 +98,7 @@ class DataSection(_Section):
 
 class ParallelSection(_Section):
     nproc_per_node: int = Field(default=8, gt=0)
+    nnodes: int = Field(default=1, gt=0)   # > 1: one Slurm job step over that many nodes (docs/slurm.md)
     tensor: int = Field(default=1, gt=0)
     pipeline: int = Field(default=1, gt=0)
     context: int = Field(default=1, gt=0)
@@ -108,7 +109,7 @@ class ParallelSection(_Section):
 
     @property
     def data_parallel(self) -> int:
-        return self.nproc_per_node // (self.tensor * self.pipeline * self.context)
+        return self.nproc_per_node * self.nnodes // (self.tensor * self.pipeline * self.context)
 
 
 class MemorySection(_Section):

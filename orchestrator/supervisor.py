@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orchestrator import classify, gpu, interval, pagecache, plan, policy
-from orchestrator.host import Host, LocalHost
+from orchestrator.host import Host
 from orchestrator.host_probe import first_free_port
 from orchestrator.journal import Journal, journal_path
 from orchestrator.launcher import LaunchError
@@ -45,6 +45,7 @@ from orchestrator.goodput import goodput_of
 from orchestrator.run_checkpoints import RunCheckpoints
 from orchestrator.rundir import RunLock, place, run_id, state_dir
 from orchestrator.sidecar import Sidecar
+from orchestrator.slurm_host import host_for
 from orchestrator.spot import from_recipe as spot_notice
 from orchestrator.types import (TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode, GpuSnapshot,
                                 Phase, Resume, State)
@@ -64,7 +65,7 @@ class Supervisor:
         """`host`: the machine (default: this one, GPUs through `gpu_reader` or NVML per the recipe);
         `echo`: a callable for one-line narration (events, progress) on the console."""
         self.recipe, self.echo = recipe, echo
-        self.host: Host = host or LocalHost(gpu_reader or gpu.reader(recipe.gpu.check))
+        self.host: Host = host or host_for(recipe, gpu_reader or gpu.reader(recipe.gpu.check))
         self.hash = recipe_hash(recipe)
         self.stop_event = threading.Event()
         self.stop_reason = ""
@@ -86,7 +87,7 @@ class Supervisor:
         self.lock: RunLock | None = None
         self.publish_lock: PublishLock | None = None
         if install_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # USR1: Slurm's --signal ahead of the time limit
                 signal.signal(sig, lambda s, _f: self.request_stop(f"signal {signal.Signals(s).name}"))
 
     # --- the loop -----------------------------------------------------------------------------
@@ -333,7 +334,10 @@ class Supervisor:
         full at the crash outranks the log: the trainer's own error line may be what it could not write."""
         a = self.attempt
         if found is None:
-            found = classify.classify(self.host.read_tail(a.launched.log_path), a.launched.status, self._phase())
+            text, node = self.host.failure_log(a.launched)  # multi-node: the node srun saw fail first
+            if node:
+                a.row = replace(a.row, node=node)
+            found = classify.classify(text, a.launched.status, self._phase())
             if a.launched.status.code == 0 and found.cls is CrashClass.OTHER:
                 last = a.last.step if a.last else None
                 found = Crash(CrashClass.OTHER, (f"trainer exited 0 at step {last} before max steps",) + found.evidence,

@@ -141,6 +141,7 @@ class Attempt:
     startup_s: float | None = None       # launch -> first step record (costs.py)
     save_s: float | None = None          # mean seconds of this attempt's measured saves
     save_count: int | None = None        # how many saves save_s averages
+    node: str | None = None              # multi-node: the node whose task failed first
 
 
 class Action(StrEnum):

@@ -31,6 +31,8 @@ if [ $want_test = 1 ]; then
   command -v rsync >/dev/null || missing+=(rsync)
   command -v promtool >/dev/null || missing+=(prometheus)
   command -v systemd-analyze >/dev/null || missing+=(systemd)
+  [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v srun >/dev/null \
+    || missing+=(slurmctld slurmd slurm-client)   # the 3-node test cluster (tests/slurm_cluster.py)
   if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
       say "installing ${missing[*]} with apt-get ..."

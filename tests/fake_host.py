@@ -127,7 +127,11 @@ class FakeHost:
         self.calls.append(("newest_write",))
         return self.last_write
 
+    def failure_log(self, trainer: FakeTrainer) -> tuple[str, str | None]:
+        return self.read_tail(trainer.log_path), None
+
     # --- resources
+
     def gpu_snapshot(self) -> GpuSnapshot:
         self.calls.append(("gpu_snapshot",))
         return GpuSnapshot(tuple(

@@ -21,7 +21,8 @@ LAYERS = {
     "domain": {"types", "orchestrator"},   # the package itself: imports nothing
     "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate",
                   "retention", "storage", "costs", "interval", "simulate_report"},
-    "world": {"host", "launcher", "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
+    "world": {"host", "launcher", "launch", "node_exec", "slurm_host",
+              "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
               "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe",
               "published", "shm", "pagecache", "node_history"},
     "loop": {"supervisor"},

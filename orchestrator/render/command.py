@@ -22,10 +22,12 @@ NCCL_PRESETS = {
 
 def environment(recipe: Recipe, port: int, extra: dict[str, str]) -> dict[str, str]:
     env = {**BASE_ENV, **extra, **NCCL_PRESETS[recipe.env.nccl_preset]}
-    if recipe.parallel.nproc_per_node > 1 or recipe.run.backend == "megatron":
+    if recipe.parallel.nproc_per_node > 1 or recipe.run.backend == "megatron" or recipe.parallel.nnodes > 1:
         # Setting NPROC_PER_NODE makes the ms-swift wrapper use torchrun; megatron always needs it.
         env |= {"NPROC_PER_NODE": str(recipe.parallel.nproc_per_node), "MASTER_PORT": str(port),
                 "MASTER_ADDR": "127.0.0.1"}
+    if recipe.parallel.nnodes > 1:  # MASTER_ADDR (the first node) and NODE_RANK come at launch (launch/slurm.py)
+        env["NNODES"] = str(recipe.parallel.nnodes)
     return env | recipe.env.vars  # the recipe has the last word
 
 

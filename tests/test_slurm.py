@@ -1,0 +1,237 @@
+"""Multi-node runs on Slurm (issue 15): srun's failure lines, the step's command, and a real 3-node
+Slurm cluster on this machine (tests/slurm_cluster.py) running a real 2-node `swift sft` (one rank
+per node, gloo) under the supervisor: completes; node 2's trainer SIGKILLed; node 2's trainer SIGSTOPped.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import slurm_cluster
+from orchestrator import launcher
+from orchestrator.launch.slurm import Allocation, NodeFailure, first_failure, node_log, srun_argv
+from orchestrator.node_exec import node_env
+from orchestrator.recipe import RecipeError, load
+from orchestrator.supervisor import Supervisor
+from orchestrator.types import CrashClass, ExitCode, State
+from supervised import attempts, free_port_range
+
+DEMO = Path(__file__).resolve().parents[1] / "orchestrator" / "data" / "demo-cpu.toml"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("log, expected", [
+    ("", None),
+    ("srun: error: n2: task 1: Killed\n", NodeFailure("n2", "1", "Killed")),
+    ("[rank0]: boom\nsrun: error: n2: task 1: Exited with exit code 3\nsrun: error: n1: task 0: Killed\n",
+     NodeFailure("n2", "1", "Exited with exit code 3")),
+    ("srun: Job step aborted: Waiting up to 32 seconds for job step to finish.\n"
+     "srun: error: gpu-017: tasks 8-15: Terminated\nsrun: error: gpu-003: task 2: Killed\n",
+     NodeFailure("gpu-017", "8-15", "Terminated")),
+    ("srun: error: Unable to create step for job 12: Requested nodes are busy\n", None),
+    ("  srun: error: node.example.org: task 0: Exited with exit code 1  \n",
+     NodeFailure("node.example.org", "0", "Exited with exit code 1")),
+])
+def test_first_failing_node_from_srun_lines(log, expected):
+    assert first_failure(log) == expected
+
+
+def test_the_step_runs_node_exec_on_every_node_with_a_log_per_node(tmp_path):
+    argv = srun_argv(Allocation("42", ("n1", "n2", "n3"), "10.0.0.1"), 2, "orchestrator-x",
+                     tmp_path / "attempt-0003.log", ["/venv/bin/swift", "sft", "--model", "a b"])
+    assert argv[0] == "srun"
+    assert {"--jobid=42", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            "--nodelist=n1,n2"} <= set(argv)
+    assert argv[argv.index("--") - 4:] == [sys.executable, "-m", "orchestrator.node_exec",
+                                           f"--log={tmp_path}/attempt-0003-node-{{node}}.log", "--",
+                                           "/venv/bin/swift", "sft", "--model", "a b"]
+    assert node_log(tmp_path / "attempt-0003.log", "n2") == tmp_path / "attempt-0003-node-n2.log"
+
+
+def test_node_rank_comes_from_slurm_node_id():
+    assert node_env({"SLURM_NODEID": "1", "NNODES": "2"})["NODE_RANK"] == "1"
+    with pytest.raises(SystemExit, match="SLURM_NODEID"):
+        node_env({})
+
+
+def test_more_than_one_node_outside_an_allocation_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    r = load(DEMO, ["parallel.nnodes=2", f"run.output_dir={json.dumps(str(tmp_path / 'out'))}"])
+    with pytest.raises(RecipeError, match="pre-flight nodes: parallel.nnodes = 2 needs a Slurm allocation"):
+        Supervisor(r, install_signals=False).run()
+    assert not list((tmp_path / "out").rglob("attempt-*.log")), "nothing was launched"
+
+
+def test_cli_run_exits_2_outside_an_allocation(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(DEMO), "--set", "parallel.nnodes=2",
+                           "--set", f"run.output_dir={json.dumps(str(tmp_path / 'out'))}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "needs a Slurm allocation" in done.stderr
+
+
+# --- a real cluster ------------------------------------------------------------------------------
+swift = pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = slurm_cluster.missing()
+    if why:
+        pytest.skip(why)
+    try:
+        c = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
+    except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+        pytest.skip(f"Slurm test cluster did not start: {e}")
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def allocation(cluster, monkeypatch):
+    """A 2-node allocation (salloc --no-shell); the supervisor runs here with its SLURM_JOB_ID."""
+    out = cluster.run("salloc", "--no-shell", "-N2", "-J", "orch-test").stderr
+    job = out.split("Granted job allocation")[1].split()[0]
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the tasks import this checkout's orchestrator
+    yield job
+    cluster.run("scancel", job, check=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from orchestrator import tiny
+
+    return tiny.build(tmp_path_factory.mktemp("tiny"))
+
+
+def two_node_recipe(tiny, out: Path, *extra: str):
+    lo, hi = free_port_range(20)
+    return load(DEMO, [f"model.path={json.dumps(tiny['model'])}", f"data.dataset=[{json.dumps(tiny['data'])}]",
+                       f"run.output_dir={json.dumps(str(out / 'out'))}", "parallel.nnodes=2",
+                       f"run.persistent_dir={json.dumps(str(out / 'persist'))}",
+                       "parallel.nproc_per_node=1", "optim.global_batch_size=2", "optim.iterations=40",
+                       "checkpoint.save_steps=5", "metrics.listen=\"127.0.0.1:0\"", "metrics.linger_s=0",
+                       "supervisor.wait_s=0.5", "supervisor.poll_s=0.1", "supervisor.grace_s=5",
+                       f"supervisor.port_range=[{lo}, {hi}]", *extra])
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(int(r["global_step/max_steps"].split("/")[0]), r["loss"])
+            for r in map(json.loads, (out / "out" / "logging.jsonl").read_text().splitlines())
+            if "loss" in r and "global_step/max_steps" in r]
+
+
+def node_processes(run_id: str, node: str) -> list[psutil.Process]:
+    """This run's processes that Slurm started as `node`'s task (all nodes live on this machine)."""
+    found = []
+    for p in launcher.run_processes(run_id):
+        try:
+            if p.environ().get("SLURMD_NODENAME") == node:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def at_step_on_node_two(sup: Supervisor, step: int, sig: int, hit: list[int]) -> threading.Thread:
+    """Send `sig` to node 2's processes of attempt 1 once its logging.jsonl reaches `step`. The tiny
+    model trains fast: the pids are looked up ahead and the log read directly, so the signal lands
+    within a step or two."""
+    def watch() -> None:
+        tail, pids, looked = None, [], 0.0
+        while not sup.stop_event.wait(0.02):
+            a = sup.attempt
+            if sup.state in (State.COMPLETED, State.GAVE_UP) or (a and a.n > 1):
+                return
+            if a is None:
+                continue
+            if time.monotonic() - looked > 0.5:
+                pids, looked = [p.pid for p in node_processes(sup.run_id, "n2")], time.monotonic()
+            tail = tail or launcher.FileTail(Path(sup.out) / "logging.jsonl")
+            steps = [int(r["global_step/max_steps"].split("/")[0]) for r in map(json.loads, tail.lines())
+                     if "global_step/max_steps" in r]
+            if pids and steps and max(steps) >= step:
+                launcher.kill_pids(pids, sig)
+                hit.extend(pids)
+                return
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+REFERENCE: dict[int, float] = {}
+
+
+@swift
+def test_two_node_swift_run_completes(cluster, allocation, tiny, tmp_path):
+    sup = Supervisor(two_node_recipe(tiny, tmp_path), install_signals=False)
+    assert sup.run() == ExitCode.OK
+    runs = attempts(tmp_path / "out")
+    assert [(a.cls, a.node) for a in runs] == [(None, None)]
+    state = Path(runs[0].log_path).parent
+    assert {p.name for p in state.glob("attempt-0001*.log")} == \
+        {"attempt-0001.log", "attempt-0001-node-n1.log", "attempt-0001-node-n2.log"}
+    assert "--nnodes 2 --node_rank 1 --master_addr 127.0.0.1" in (state / "attempt-0001-node-n2.log").read_text()
+    assert "--gradient_accumulation_steps 1 " in (state / "attempt-0001-node-n1.log").read_text(), \
+        "global batch 2 over 2 nodes x 1 rank"
+    assert "global_step" in (state / "attempt-0001-node-n1.log").read_text(), "rank 0's progress on node 1"
+    assert (tmp_path / "out" / "checkpoint-40").is_dir()
+    REFERENCE.update(losses(tmp_path))
+    assert sorted(REFERENCE) == list(range(1, 41))
+    assert not cluster.run("squeue", "-h", "-s", "-j", allocation, "-o", "%i %j").stdout.count("orchestrator-"), \
+        "no step of the run is left"
+
+
+@swift
+def test_node_two_sigkilled_kills_node_one_and_resumes_from_the_last_checkpoint(cluster, allocation, tiny, tmp_path):
+    sup = Supervisor(two_node_recipe(tiny, tmp_path), install_signals=False)
+    killed: list[int] = []
+    at_step_on_node_two(sup, 6, signal.SIGKILL, killed)
+    assert sup.run() == ExitCode.OK
+    assert killed, "node 2's trainer was found and killed"
+    runs = attempts(tmp_path / "out")
+    assert len(runs) == 2 and runs[1].cls is None
+    assert runs[0].node == "n2", "srun named node 2's task as the first to fail"
+    assert runs[0].cls is not None
+    srun_log = Path(runs[0].log_path).read_text()
+    assert "n2: task 1: Killed" in srun_log
+    died_at = runs[0].end_step
+    ckpt = int(Path(runs[1].resumed_from).name.split("-")[1])
+    assert ckpt % 5 == 0 and ckpt <= died_at < 40, (ckpt, died_at)
+    records = losses(tmp_path)
+    resumed = records[[s for s, _ in records].index(died_at) + 1:]  # after the killed attempt's records
+    assert resumed[0][0] == ckpt + 1
+    if REFERENCE:  # the uninterrupted 2-node run of the test above
+        assert resumed[0][1] == pytest.approx(REFERENCE[ckpt + 1], rel=1e-6)
+    assert max(s for s, _ in records) == 40
+
+
+def test_sbatch_dry_run_prints_a_batch_script_and_submits_nothing(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": str(REPO),
+           "PATH": "/nonexistent"}  # no sbatch reachable: a dry run must not need one
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "sbatch", str(DEMO), "--set", "parallel.nnodes=4",
+                           "--set", f"run.output_dir={json.dumps(str(tmp_path / 'o u t'))}", "--dry-run"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --requeue",
+            "#SBATCH --signal=B:USR1@300", "#SBATCH --gpus-per-node=1"} <= set(lines)
+    assert any(" -m orchestrator run " in line and "'run.output_dir=" in line for line in lines), "overrides quoted"
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in done.stdout
+    assert not (tmp_path / "o u t").exists(), "nothing written"
