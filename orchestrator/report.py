@@ -80,7 +80,7 @@ def attempt_row(a: Attempt) -> dict:
     return {"n": a.n, "started_at": a.started_at, "ended_at": a.ended_at, "pid": a.pid, "port": a.port,
             "exit_code": a.exit_code, "signal": a.signal, "class": a.cls.value if a.cls else None,
             "evidence": list(a.evidence), "start_step": a.start_step, "end_step": a.end_step,
-            "resumed_from": a.resumed_from, "log": a.log_path}
+            "resumed_from": a.resumed_from, "log": a.log_path, "system": a.system}
 
 
 def history_data(r: Recipe, j: Journal) -> dict:
