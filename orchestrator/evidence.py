@@ -211,24 +211,30 @@ class NvmlWatch:
         except Exception:  # ECC off or not supported
             return None
 
-    def wait(self, timeout_s: float) -> bool:
-        """Wait up to timeout_s for one Xid event (the background reader's tick); False: no event set."""
+    def wait(self, timeout_s: float) -> str:
+        """Wait up to timeout_s for one Xid event: "event", "timeout", or "off" (no event set to wait on)."""
         if self.evset is None:
-            return False
+            return "off"
         nv = self.nv
         try:
             ev = nv.nvmlEventSetWait(self.evset, int(timeout_s * 1000))
         except Exception as e:
-            if getattr(e, "value", None) != getattr(nv, "NVML_ERROR_TIMEOUT", object()):
-                self.evset, self.events_error = None, f"NVML Xid events: not available: {e}"
-                return False
-            return True
+            if getattr(e, "value", None) == getattr(nv, "NVML_ERROR_TIMEOUT", object()):
+                return "timeout"
+            self.evset, self.events_error = None, f"NVML Xid events: not available: {e}"
+            return "off"
         try:
             idx = int(nv.nvmlDeviceGetIndex(ev.device))
         except Exception:
             idx = -1
         self.xids.append((idx, int(ev.eventData)))
-        return True
+        return "event"
+
+    def drain(self, limit: int = 100) -> None:
+        """The events already queued (the crash may be younger than the reader's last wait)."""
+        for _ in range(limit):
+            if self.wait(0) != "event":
+                return
 
     def faults(self) -> list[GpuFault]:
         out = [GpuFault(i, "xid", f"Xid {x}", x) for i, x in self.xids]
@@ -312,12 +318,13 @@ class AttemptEvidence:
         while not self.done.is_set() and self.running():
             n += 1
             self.sample(marker=n % MARKER_EVERY == 0)
-            if not (self.nvml and self.nvml.wait(self.sample_s)):
+            if not self.nvml or self.nvml.wait(self.sample_s) == "off":
                 self.done.wait(self.sample_s)
 
     def collect(self, paths: dict[str, str], port: int | None) -> SystemEvidence:
         """Everything at the attempt's end. Stops the sampler; never raises."""
         self.done.set()
+        self.thread.join(self.sample_s + 1.0)   # out of NVML's event wait before the set is drained and freed
         unavailable = list(self.unavailable)
         try:
             self.sample(marker=True)   # a hung trainer's processes are all still there
@@ -336,6 +343,7 @@ class AttemptEvidence:
                 counters.append(f"memory cgroup {cg}: oom_kill {before} -> {after}")
         faults: list[GpuFault] = []
         if self.nvml is not None:
+            self.nvml.drain()
             faults = self.nvml.faults()
             unavailable += [e for e in (self.nvml.error, self.nvml.events_error) if e]
             self.nvml.close()
