@@ -127,3 +127,12 @@ def test_classify_command_refuses_an_unknown_phase(tmp_path):
     (log := tmp_path / "crash.log").write_text(OOM)
     res = CliRunner().invoke(main, ["classify", str(log), "--phase", "warmup"])
     assert res.exit_code == 2 and "--phase" in res.output
+
+
+@pytest.mark.parametrize("cls", list(C))
+def test_every_class_runbook_shows_the_system_evidence(cls):
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "runbooks" / f"{cls.value}.md").read_text()
+    section = page.split("## System evidence orchestrator records", 1)[1].split("\n## ", 1)[0]
+    assert "By hand:" in section and "README.md#system-evidence-what-the-machine-said-at-the-crash" in section
