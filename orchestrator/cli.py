@@ -225,17 +225,20 @@ def history(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 @main.command(name="classify")
 @click.argument("logfile", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--exit-code", type=int, default=None, help="The trainer's exit code (negative: signal).")
+@click.option("--phase", type=click.Choice(["startup", "training"]), default=None,
+              help="Whether the attempt had completed a training step (when you know it; else read from the log).")
 @JSON
-def classify_cmd(logfile: Path, exit_code: int | None, as_json: bool) -> None:
+def classify_cmd(logfile: Path, exit_code: int | None, phase: str | None, as_json: bool) -> None:
     """Classify a crash log offline."""
     from orchestrator.classify import classify
-    from orchestrator.types import ExitStatus
+    from orchestrator.types import ExitStatus, Phase
 
     try:
         text = logfile.read_text(encoding="utf-8", errors="replace")
     except OSError as e:
         fail(f"{logfile}: cannot read ({e.strerror})")
-    crash = classify(text, ExitStatus.from_returncode(exit_code) if exit_code is not None else None)
+    crash = classify(text, ExitStatus.from_returncode(exit_code) if exit_code is not None else None,
+                     Phase(phase) if phase else None)
     if as_json:
         click.echo(json.dumps({"class": crash.cls.value, "evidence": list(crash.evidence), "phase": crash.phase.value}))
     else:

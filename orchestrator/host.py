@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from orchestrator import gpu, launcher, pagecache, shm
+from orchestrator import evidence, gpu, launcher, pagecache, shm
 from orchestrator.host_probe import free_gib, port_free
-from orchestrator.types import Command, ExitStatus, GpuSnapshot
+from orchestrator.types import Command, ExitStatus, GpuSnapshot, SystemEvidence
 
 
 class Trainer(Protocol):
@@ -70,6 +70,13 @@ class Host(Protocol):
     def stop_warming(self) -> int:
         """Stop the warm-up; returns the bytes it asked the kernel to read."""
 
+    # --- evidence about a failed attempt (evidence.py reads it, verdict.py weighs it)
+    def evidence_baseline(self, trainer: Trainer, run_id: str, gpus: list[int | str]) -> None:
+        """At launch: counters to compare against later, and a reader of the run's pids and GPU events."""
+    def evidence(self, trainer: Trainer, paths: dict[str, str], port: int | None) -> SystemEvidence:
+        """At the crash: kernel OOM kills of the run's processes since launch, cgroup oom_kill, Xid/ECC on the
+        run's GPUs, free space of `paths` (role -> path), the owner of `port` (None: not asked). Never raises."""
+
 
 class LocalHost:
     """This machine: today's launcher, NVML reader, sockets and statvfs."""
@@ -79,6 +86,7 @@ class LocalHost:
         self.shm_dir = shm_dir
         self.first_launch: dict[str, float] = {}   # run id -> wall time of its first launch here
         self.warmer: pagecache.Warmer | None = None
+        self.watches: dict[int, evidence.AttemptEvidence] = {}   # trainer pid -> its evidence since launch
 
     def now(self) -> float:
         return time.time()
@@ -157,3 +165,25 @@ class LocalHost:
     def stop_warming(self) -> int:
         w, self.warmer = self.warmer, None
         return w.stop() if w else 0
+
+    def evidence_baseline(self, trainer: launcher.Launched, run_id: str, gpus: list[int | str]) -> None:
+        self.watches = {pid: w for pid, w in self.watches.items() if not w.done.is_set() and w.running()}
+        try:
+            self.watches[trainer.pid] = evidence.AttemptEvidence(
+                trainer.pid, run_id, trainer.started_mono - 1.0, lambda: trainer.status is None,
+                nv=evidence.load_nvml() if gpus else None, gpus=gpus)
+        except Exception:  # evidence must never cost the run; evidence() says it is missing
+            pass
+
+    def evidence(self, trainer: launcher.Launched, paths: dict[str, str], port: int | None) -> SystemEvidence:
+        watch = self.watches.pop(trainer.pid, None)
+        try:
+            if watch is not None:
+                return watch.collect(paths, port)
+        except Exception as e:
+            missing = f"evidence: not available: {e!r}"
+        else:
+            missing = "kernel log, cgroup, NVML: not available: no baseline was taken at launch"
+        disks, why = evidence.disk_space(paths)
+        owners, why_port = evidence.port_owners(port) if port is not None else ([], [])
+        return SystemEvidence(disks=tuple(disks), port_owners=tuple(owners), unavailable=(missing, *why, *why_port))

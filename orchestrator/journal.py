@@ -32,7 +32,7 @@ CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # Columns added after a release, for journals written before them: (table, column, type).
 ADDED_COLUMNS = (("checkpoints", "saved_at", "REAL"), ("attempts", "startup_s", "REAL"), ("attempts", "save_s", "REAL"),
-                 ("attempts", "save_count", "INTEGER"), ("attempts", "node", "TEXT"))
+                 ("attempts", "save_count", "INTEGER"), ("attempts", "node", "TEXT"), ("attempts", "system", "TEXT"))
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
@@ -137,6 +137,7 @@ class Journal:
         row = asdict(a)
         row["evidence"] = json.dumps(list(a.evidence))
         row["cls"] = a.cls.value if a.cls else None
+        row["system"] = json.dumps(a.system, default=str) if a.system is not None else None
         cols = ", ".join(row)
         self._write(f"INSERT OR REPLACE INTO attempts ({cols}) VALUES ({', '.join('?' * len(row))})",
                     list(row.values()))
@@ -147,6 +148,7 @@ class Journal:
             d = {f.name: r[f.name] for f in fields(Attempt) if f.name in r.keys()}  # a reader: older columns only
             d["evidence"] = tuple(json.loads(d["evidence"] or "[]"))
             d["cls"] = CrashClass(d["cls"]) if d["cls"] else None
+            d["system"] = json.loads(d["system"]) if d["system"] else None
             out.append(Attempt(**d))
         return out
 

@@ -82,7 +82,8 @@ def attempt_row(a: Attempt) -> dict:
             "exit_code": a.exit_code, "signal": a.signal, "class": a.cls.value if a.cls else None,
             "evidence": list(a.evidence), "start_step": a.start_step, "end_step": a.end_step,
             "resumed_from": a.resumed_from, "log": a.log_path,
-            "startup_s": a.startup_s, "save_s": a.save_s, "save_count": a.save_count or 0}
+            "startup_s": a.startup_s, "save_s": a.save_s, "save_count": a.save_count or 0,
+            "system": a.system}
 
 
 def costs_data(attempts: list[Attempt], kv: dict) -> dict:

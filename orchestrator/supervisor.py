@@ -27,10 +27,10 @@ import re
 import signal
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from orchestrator import classify, gpu, interval, pagecache, plan, policy
+from orchestrator import classify, gpu, interval, pagecache, plan, policy, verdict
 from orchestrator.host import Host
 from orchestrator.host_probe import first_free_port
 from orchestrator.journal import Journal, journal_path
@@ -281,6 +281,7 @@ class Supervisor:
                                           replace(row, pid=launched.pid, pid_start_time=launched.create_time),
                                           save_steps, measured)
         self.journal.record_attempt(self.attempt.row)
+        self.host.evidence_baseline(launched, self.run_id, self._run_gpus() if r.gpu.check else [])
         self.checkpoints.forget_after(self.attempt.good_step_at_launch)
         self.journal.event("launch", f"attempt {n} pid {launched.pid} port {port}"
                            + (f" resuming from {resume.path}" if resume else " fresh"), argv=list(cmd.argv))
@@ -330,9 +331,9 @@ class Supervisor:
         return State.RUNNING
 
     def _crashed(self, found: Crash | None) -> State:
-        """`found`: what the supervisor itself saw (hang, NaN); otherwise classify the log. A disk found
-        full at the crash outranks the log: the trainer's own error line may be what it could not write."""
-        a = self.attempt
+        """`found`: what the supervisor itself saw (hang, NaN); otherwise classify the log. Then what the machine
+        says (verdict.combine): a disk full at the crash, a GPU fault, a kernel OOM kill outrank the log."""
+        a, r = self.attempt, self.recipe
         if found is None:
             text, node = self.host.failure_log(a.launched)  # multi-node: the node srun saw fail first
             if node:
@@ -342,19 +343,15 @@ class Supervisor:
                 last = a.last.step if a.last else None
                 found = Crash(CrashClass.OTHER, (f"trainer exited 0 at step {last} before max steps",) + found.evidence,
                               found.phase)
-        full = self._disk_full()
-        if full and found.cls is not CrashClass.DISK_FULL:
-            found = Crash(CrashClass.DISK_FULL, (full, f"(the log alone said {found.cls.value})") + found.evidence,
-                          found.phase)
-        a.crash = found
+        paths = {"output_dir": r.run.output_dir, "/dev/shm": "/dev/shm"} | (
+            {"persistent_dir": r.run.persistent_dir} if r.run.persistent_dir else {})
+        system = self.host.evidence(a.launched, paths, a.port if found.cls is CrashClass.PORT_IN_USE else None)
+        crash = verdict.combine(found, a.launched.status, system, min(r.supervisor.min_free_gib, 1.0))
+        if facts := crash.evidence[:len(crash.evidence) - len(found.evidence)]:
+            self.journal.event("evidence", f"attempt {a.n}: " + "; ".join(facts))
+        a.row = replace(a.row, system=asdict(system))  # kept by _finish_attempt's record
+        a.crash = crash
         return State.CRASHED
-
-    def _disk_full(self) -> str | None:
-        """Evidence that output_dir's disk is full now: less free than min_free_gib, capped at 1 GiB (a
-        disk with more free than that was not what failed a write)."""
-        out, need = self.recipe.run.output_dir, min(self.recipe.supervisor.min_free_gib, 1.0)
-        free = self.host.free_gib(out)
-        return f"disk full at the crash: {out} has {free:.3g} GiB free" if free < need else None
 
     def _decide(self) -> State:
         a, now = self.attempt, self.host.now()

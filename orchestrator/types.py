@@ -142,6 +142,7 @@ class Attempt:
     save_s: float | None = None          # mean seconds of this attempt's measured saves
     save_count: int | None = None        # how many saves save_s averages
     node: str | None = None              # multi-node: the node whose task failed first
+    system: dict | None = None           # the SystemEvidence seen at the crash (dataclasses.asdict), when taken
 
 
 class Action(StrEnum):
@@ -240,3 +241,54 @@ class Alert(StrEnum):
     SUPERVISOR_DOWN = "supervisor_down"            # up / heartbeat: the supervisor cannot raise this one
     GAVE_UP = "gave_up"                            # state gave_up (every give-up path, drift included)
     DISK_FULL = "disk_full"                        # supervisor: waiting for free space
+
+
+# ---- system evidence: what the machine said about a failed attempt (orchestrator/evidence.py reads it) ----
+@dataclass(frozen=True)
+class OomKill:
+    """A kernel record of the OOM killer killing one of the run's processes."""
+
+    pid: int
+    comm: str
+    at: float                    # wall clock
+    line: str                    # the kernel's line, as logged
+
+
+@dataclass(frozen=True)
+class GpuFault:
+    """An Xid event or an ECC counter increase on one of the run's GPUs since launch."""
+
+    gpu: int
+    kind: str                    # "xid" | "ecc"
+    detail: str                  # "Xid 79", "uncorrected ECC errors 0 -> 2"
+    xid: int | None = None
+
+
+@dataclass(frozen=True)
+class DiskSpace:
+    role: str                    # "output_dir", "persistent_dir", "/dev/shm"
+    path: str
+    free_bytes: int
+    total_bytes: int
+    free_inodes: int | None = None   # None: the filesystem does not count inodes (btrfs, some FUSE)
+
+
+@dataclass(frozen=True)
+class PortOwner:
+    port: int
+    pid: int | None              # None: a listener whose process this user cannot see
+    cmdline: str = ""
+
+
+@dataclass(frozen=True)
+class SystemEvidence:
+    """What the machine said at a failed attempt's end. `unavailable` names each reader that could not
+    look ("kernel log: not available: ..."): absence of a record there means nothing."""
+
+    oom_kills: tuple[OomKill, ...] = ()
+    kernel_log: str | None = None        # where kernel records were read ("/dev/kmsg"); None: not read
+    cgroup_oom_kills: tuple[str, ...] = ()   # "memory cgroup /x: oom_kill 0 -> 1", one per counter that rose
+    gpu_faults: tuple[GpuFault, ...] = ()
+    disks: tuple[DiskSpace, ...] = ()
+    port_owners: tuple[PortOwner, ...] = ()
+    unavailable: tuple[str, ...] = ()

@@ -7,13 +7,14 @@ ports, free disk, leftovers. Every call the loop makes is recorded in `calls` as
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator.types import Command, ExitStatus, GpuInfo, GpuProcess, GpuSnapshot
+from orchestrator.types import Command, DiskSpace, ExitStatus, GpuInfo, GpuProcess, GpuSnapshot, SystemEvidence
 
 T0 = 1_700_000_000.0
 MIB = 1024**2
+GIB = 1024**3
 
 
 @dataclass
@@ -55,6 +56,7 @@ class FakeHost:
     last_write: float | None = None   # wall time of the newest checkpoint file write (a save in progress)
     shm: dict[str, list[int]] = field(default_factory=dict)        # the run's NCCL segments -> pids mapping them
     warming: list[Path] | None = None                              # files being read into the page cache
+    system: SystemEvidence | None = None   # scripted evidence at the crash (disks follow `free` unless given)
 
     # --- clock
     def now(self) -> float:
@@ -168,3 +170,15 @@ class FakeHost:
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+    # --- evidence
+    def evidence_baseline(self, trainer: FakeTrainer, run_id: str, gpus: list[int | str]) -> None:
+        self.calls.append(("evidence_baseline", trainer.pid))
+
+    def evidence(self, trainer: FakeTrainer, paths: dict[str, str], port: int | None) -> SystemEvidence:
+        self.calls.append(("evidence", trainer.pid, port))
+        s = self.system or SystemEvidence(kernel_log="fake kmsg")
+        if not s.disks:
+            s = replace(s, disks=tuple(DiskSpace(role, p, int(self.free * GIB), 2000 * GIB, 10**6)
+                                       for role, p in paths.items()))
+        return s

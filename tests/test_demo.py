@@ -79,6 +79,9 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
     # the console names the step the SIGKILL really hit: the killed attempt's last step
     told = re.search(r"demo: injected SIGKILL into the trainer .* at step (\d+)", p.stdout)
     assert told and int(told.group(1)) == first.end_step >= 13, p.stdout
+    # ... and the machine's truth about it: no kernel OOM record (or the kernel log could not be read), never "an OOM"
+    assert re.match(r"SIGKILL; (?:no kernel OOM record|kernel OOM records not available)", first.evidence[0]), first.evidence
+    assert "oom killer killed" not in p.stdout.lower() and first.system is not None
     # the redone steps (after the kept checkpoint, up to the kill) are charged from the checkpoint's save time
     assert first.end_step > second.start_step == 10
     assert kept["saved_at"] < kept["verified_at"]

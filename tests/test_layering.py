@@ -20,11 +20,11 @@ PKG = ROOT / "orchestrator"
 LAYERS = {
     "domain": {"types", "orchestrator"},   # the package itself: imports nothing
     "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate",
-                  "retention", "storage", "costs", "interval", "simulate_report"},
+                  "retention", "storage", "costs", "interval", "simulate_report", "verdict"},
     "world": {"host", "launcher", "launch", "node_exec", "slurm_host",
               "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
               "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe",
-              "published", "shm", "pagecache", "node_history"},
+              "published", "shm", "pagecache", "node_history", "evidence"},
     "loop": {"supervisor"},
     "operations": {"cli", "report", "html_report", "demo", "service", "tiny", "__main__"},
 }
