@@ -31,7 +31,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # Columns added after a release, for journals written before them: (table, column, type).
-ADDED_COLUMNS = (("checkpoints", "saved_at", "REAL"),)
+ADDED_COLUMNS = (("checkpoints", "saved_at", "REAL"), ("attempts", "kind", "TEXT NOT NULL DEFAULT 'train'"))
 
 
 def _add_columns(db: sqlite3.Connection) -> None:

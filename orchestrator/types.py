@@ -138,6 +138,7 @@ class Attempt:
     first_step_at: float | None = None   # goodput: startup ends here
     last_step_at: float | None = None
     hang_detected_at: float | None = None
+    kind: str = "train"                  # "train", or "export": the final merge of checkpoint.merge = "final"
 
 
 class Action(StrEnum):
