@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.swift,
 
 
 def test_the_demo_ends_with_a_verified_published_merged_model(tiny, tmp_path):  # noqa: F811
-    r = recipe(tiny, tmp_path, "optim.iterations=20")
+    r = recipe(tiny, tmp_path, "optim.iterations=20", 'checkpoint.merge="final"')
     assert r.checkpoint.merge == "final"
     assert Supervisor(r, install_signals=False).run() == ExitCode.OK
     out = tmp_path / "out"
