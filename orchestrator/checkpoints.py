@@ -446,3 +446,66 @@ def verify_report(path: str | os.PathLike, expect: LoraExpect | None = None, ful
     v = verify(path, expect, full_checksum, backend=backend)
     return {"ok": v.ok, "step": v.step, "complete": v.complete, "problems": list(v.problems), "path": v.path,
             "kind": v.kind}
+
+
+# ---------------------------------------------------------------- the final export's merged copy
+
+def merged_name(checkpoint_name: str) -> str:
+    return f"{checkpoint_name}-merged"
+
+
+def export_staging_name(checkpoint_name: str) -> str:
+    """Where the export of checkpoint.merge = "final" writes; renamed to merged_name only once verified.
+    Not a checkpoint name: discovery, sync and retention never see a partial export."""
+    return f".partial-{merged_name(checkpoint_name)}"
+
+
+def verify_merged(path: str | os.PathLike) -> Verification:
+    """A merged full model (HF layout) as `swift export` / `megatron export --to_hf` write it: config.json;
+    model.safetensors, or model.safetensors.index.json with every listed shard present, every tensor of
+    the weight_map in its shard, and the index's total_size equal to the tensor bytes of the shards;
+    every shard header-checked (check_header + the safetensors library)."""
+    p = Path(path)
+    if not p.is_dir():
+        return Verification(False, None, False, (f"{p}: no such merged model directory",), path=str(p))
+    problems: list[str] = []
+    if not (p / "config.json").is_file():
+        problems.append(f"{p.name}/config.json missing: not a loadable model; {REDO}")
+    idx = p / "model.safetensors.index.json"
+    if idx.exists():
+        data = _load_json(idx, f"{p.name}/{idx.name}", problems)
+        wmap = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wmap, dict) or not wmap:
+            problems.append(f"{p.name}/{idx.name}: no weight_map; {REDO}")
+            wmap = {}
+        shards = sorted(set(wmap.values()))
+        total = (data.get("metadata") or {}).get("total_size") if isinstance(data, dict) else None
+    elif (p / "model.safetensors").exists():
+        shards, wmap, total = ["model.safetensors"], {}, None
+    else:
+        problems.append(f"{p.name}: neither model.safetensors nor model.safetensors.index.json: the export "
+                        f"wrote no weights; {REDO}")
+        shards, wmap, total = [], {}, None
+    per_file: dict[str, set[str]] = {}
+    data_bytes = 0
+    for shard in shards:
+        f = p / shard
+        if not f.is_file():
+            problems.append(f"{p.name}/{shard}: listed in the index but missing (export cut short); {REDO}")
+            continue
+        probs, names = read_safetensors(f, f"{p.name}/{shard}")
+        problems += probs
+        per_file[shard] = set(names)
+        if not probs:  # headers are consistent: the data region is exactly the tensors' bytes
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+            data_bytes += f.stat().st_size - 8 - n
+    missing = [k for k, s in wmap.items() if s in per_file and k not in per_file[s]]
+    if missing:
+        problems.append(f"{p.name}/model.safetensors.index.json: {len(missing)} tensors (e.g. {missing[0]!r}) "
+                        f"absent from their shard; {REDO}")
+    if isinstance(total, int) and not problems and total != data_bytes:
+        problems.append(f"{p.name}/model.safetensors.index.json: metadata total_size {total} bytes but the shards "
+                        f"hold {data_bytes} bytes of tensors; {REDO}")
+    tensors = sum(len(v) for v in per_file.values())
+    return Verification(not problems, None, True, tuple(problems), tuple(shards), tensors, str(p))

@@ -182,6 +182,9 @@ def attempt_times(attempts: list[Attempt], ckpts: list[dict], completed: bool) -
     from, dated by its save time: the work after it, up to the attempt's end, is redone."""
     out = []
     by_step = {c["step"]: c for c in ckpts if c["ok"] and saved_at(c)}
+    # the training that completed is the last "train" attempt: the final export (checkpoint.merge = "final")
+    # comes after it and trains nothing (no steps: its time is charged to startup)
+    last_train = max((i for i, a in enumerate(attempts) if a.kind == "train"), default=len(attempts) - 1)
     for i, a in enumerate(attempts):
         end = a.ended_at
         mine = [c for c in by_step.values() if a.started_at <= saved_at(c)
@@ -191,7 +194,7 @@ def attempt_times(attempts: list[Attempt], ckpts: list[dict], completed: bool) -
             mine = [used] if used in mine else []
         out.append(AttemptTimes(a.started_at, end, a.first_step_at, a.last_step_at,
                                 max((saved_at(c) for c in mine), default=None), a.hang_detected_at,
-                                completed and i == len(attempts) - 1))
+                                completed and i == last_train))
     return out
 
 

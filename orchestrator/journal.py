@@ -32,7 +32,8 @@ CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # Columns added after a release, for journals written before them: (table, column, type).
 ADDED_COLUMNS = (("checkpoints", "saved_at", "REAL"), ("attempts", "startup_s", "REAL"), ("attempts", "save_s", "REAL"),
-                 ("attempts", "save_count", "INTEGER"), ("attempts", "node", "TEXT"), ("attempts", "system", "TEXT"))
+                 ("attempts", "save_count", "INTEGER"), ("attempts", "node", "TEXT"), ("attempts", "system", "TEXT"),
+                 ("attempts", "kind", "TEXT NOT NULL DEFAULT 'train'"))
 
 
 def _add_columns(db: sqlite3.Connection) -> None:

@@ -5,7 +5,8 @@ retention, not only published retention: keep the newest K verified checkpoints.
 the pressure: the resume point (the newest verified checkpoint), a checkpoint still being written
 (incomplete), one not yet published when a persistent_dir is set, and anything that failed verification
 (evidence for a person; quarantine keeps the data too). A local merged copy goes once it is published,
-unless the recipe keeps them. Under disk pressure only the resume point and the unpublished are kept.
+unless the recipe keeps them; an unpublished merged copy is kept even when its checkpoint goes (the final
+export's copy appears after its checkpoint was published). Under disk pressure only the resume point and the unpublished are kept.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Local:
     published: bool                # its copy on persistent storage is verified (journal synced_at)
     merged_path: str | None = None
     superseded: bool = False       # outside what persistent retention keeps: sync never copies it
+    merged_published: bool = False  # its merged copy is published (it may appear after the checkpoint was)
 
     @property
     def released(self) -> bool:
@@ -53,12 +55,12 @@ def plan_prune(local: list[Local], keep: int, persistent: bool, keep_merged: boo
     for c in good:
         unpublished = persistent and not c.released
         if c.step in kept or c is resume or unpublished:
-            if c.merged_path and c.published and not keep_merged:  # resume never reads the merged copy
+            if c.merged_path and c.merged_published and not keep_merged:  # resume never reads the merged copy
                 out.append(Prune(c.merged_path, f"merged copy of checkpoint-{c.step} is published"))
             continue
         why = "disk pressure: " if pressure else ""
         where = ", published" if c.published else ", superseded (outside persistent retention)" if persistent else ""
         out.append(Prune(c.path, f"{why}older than the newest {1 if pressure else keep} verified{where}"))
-        if c.merged_path:
+        if c.merged_path and not (persistent and not (c.merged_published or c.superseded)):
             out.append(Prune(c.merged_path, f"merged copy of pruned checkpoint-{c.step}"))
     return torn + out

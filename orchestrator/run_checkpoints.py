@@ -118,8 +118,9 @@ class RunCheckpoints:
         rows = [c for c in self.journal.checkpoints() if c["ok"]]
         wanted = retain({c["step"]: c["loss"] for c in rows}, self.recipe.checkpoint.keep_persistent)
         synced = {c["step"] for c in rows if c["synced_at"]}
+        merged_synced = set(self.journal.get_all().get("merged_synced") or ())  # sidecar.report keeps it
         local = [retention.Local(s, p, True, ok, s in synced, p + "-merged" if os.path.isdir(p + "-merged") else None,
-                                 s not in wanted)
+                                 s not in wanted, merged_published=s in merged_synced)
                  for p, ok in self.seen.items() if os.path.isdir(p) and (s := step_of(p)) is not None]
         if not writing:
             local += [retention.Local(i.step, i.path, False, False, False) for i in
@@ -141,6 +142,30 @@ class RunCheckpoints:
             self.metrics.pruned(pressure)
             done += 1
         return done
+
+    def export_staging(self, checkpoint: str) -> Path:
+        """The empty directory the final export writes into (a failed export's leftovers removed first:
+        `--exist_ok` overwrites files, it does not remove stale ones)."""
+        staging = self.out / checkpoints.export_staging_name(Path(checkpoint).name)
+        shutil.rmtree(staging, ignore_errors=True)
+        return staging
+
+    def place_merged(self, checkpoint: str) -> tuple[Path, tuple[str, ...]]:
+        """Verify the export of `checkpoint` (checkpoints.verify_merged) and rename it into place as
+        checkpoint-N-merged. Returns (that path, problems); with problems nothing is renamed: a partial
+        or damaged export never takes the published name."""
+        name = Path(checkpoint).name
+        staging, final = self.out / checkpoints.export_staging_name(name), self.out / checkpoints.merged_name(name)
+        if final.is_dir() and not staging.exists():  # renamed by a supervisor killed before it recorded it
+            return final, checkpoints.verify_merged(final).problems
+        v = checkpoints.verify_merged(staging)
+        if not v.ok:
+            return final, v.problems
+        if final.exists():  # an earlier export of the same checkpoint (a run continued after it): replaced
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        manifest.fsync_dir(self.out)
+        return final, ()
 
     def quarantine(self, nan_step: int, attempt_n: int) -> None:
         """Checkpoints from the NaN step on (a save on the SIGTERM that stopped the attempt, say) may

@@ -20,7 +20,7 @@ GIB = 1024**3
 def _sync_args(r: Recipe, h: str) -> dict:
     return dict(output_dir=r.run.output_dir, persistent_dir=publish_dir(r.run.persistent_dir, r.run.name, h),
                 backend=r.run.backend, recipe_hash=h, keep=r.checkpoint.keep_persistent,
-                include_mcore=r.checkpoint.keep_optimizer, include_merged=r.checkpoint.merge_lora)
+                include_mcore=r.checkpoint.keep_optimizer, include_merged=r.checkpoint.merge != "never")
 
 
 def sync_recipe(r: Recipe) -> dict:
@@ -82,13 +82,22 @@ class Sidecar:
         # What is published now, from the run's own copies: a round's result can be superseded
         # before this runs, the directory cannot.
         try:
-            mine = {c.step: c for c in self._published() if not c.merged}
+            copies = self._published()
         except OSError:
             return
+        mine = {c.step: c for c in copies if not c.merged}
         for c in self.journal.checkpoints():
             if c["ok"] and c["synced_at"] is None and c["step"] in mine:
                 self.journal.mark_synced(c["step"])
                 self.journal.event("synced", f"published checkpoint-{c['step']} to {mine[c['step']].dir}")
+        # merged copies (published in a later round than their checkpoint for merge = "final"): local
+        # retention deletes a local merged copy only once its step is listed here
+        merged = {c.step: c for c in copies if c.merged}
+        known = set(self.journal.get_all().get("merged_synced") or ())
+        if set(merged) != known:
+            self.journal.put(merged_synced=sorted(merged))
+            for step in sorted(set(merged) - known):
+                self.journal.event("synced", f"published checkpoint-{step}-merged to {merged[step].dir}")
 
     def _published(self) -> list:
         r = self.recipe.run

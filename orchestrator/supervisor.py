@@ -13,6 +13,10 @@ rebuilt from the journal on start, so a restarted supervisor remembers crashes a
     (RE)LAUNCHING  render from the newest good checkpoint, start the process group  -> RUNNING
     RUNNING      gather -> detect (exit, hang, NaN, resume divergence, new checkpoints) -> act
                  exit 0 at max steps -> COMPLETED; failure -> CRASHED; stop/spot -> STOPPING
+                 checkpoint.merge = "final": exit 0 at max steps -> VERIFYING, and the next launch is
+                 the export of the newest verified checkpoint (an attempt of kind "export", watched by
+                 this same loop; no step lines, so startup_timeout_s bounds it); its exit 0 with a
+                 verified merged copy renamed into place -> COMPLETED; any failure -> CRASHED
     CRASHED      classify, decide (policy.decide)                            -> CLEANING | GAVE_UP
     CLEANING     SIGTERM group, grace, SIGKILL leftovers                      -> WAITING | BACKOFF
     WAITING/BACKOFF  wait_s (+ NCCL settle, + backoff), interruptible by stop; disk_full waits
@@ -41,6 +45,7 @@ from orchestrator.notify import Heartbeat, Notifier
 from orchestrator.published import PublishLock
 from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
 from orchestrator.render.command import render_command
+from orchestrator.render.export import render_export
 from orchestrator.goodput import goodput_of
 from orchestrator.run_checkpoints import RunCheckpoints
 from orchestrator.rundir import RunLock, place, run_id, state_dir
@@ -74,6 +79,7 @@ class Supervisor:
         self.attempt: AttemptWatch | None = None  # the running (or last) attempt
         self.gpu_backoff_s = 0.0
         self.exit_reason = ""
+        self.training_done: dict | None = None  # checkpoint.merge = "final": the export phase (journal kv too)
         self.metrics = Metrics(sync_enabled=recipe.run.persistent_dir is not None, clock=self.host.now,
                                max_crashes_per_hour=recipe.supervisor.max_crashes_per_hour)
         self.notifier = Notifier.from_env()
@@ -234,7 +240,17 @@ class Supervisor:
     def _launch(self) -> State:
         r, before = self.recipe, self.attempt
         resume = self.checkpoints.resume_point()
-        if resume is None and self.sidecar.enabled:  # a new machine: the newest published copy, if any
+        export = self._export_phase()
+        if export and resume is None:
+            self.exit_reason = "training finished but no verified checkpoint is left to export"
+            self.journal.event("export", self.exit_reason)
+            return State.GAVE_UP
+        if export:  # a supervisor restarted after the rename, before recording COMPLETED
+            final, problems = self.checkpoints.place_merged(resume.path)
+            if final.is_dir() and not problems:
+                self.journal.event("merged", f"{final.name} is verified: the run is complete")
+                return State.COMPLETED
+        elif resume is None and self.sidecar.enabled:  # a new machine: the newest published copy, if any
             started = self.host.now()
             resume = self._restore()
             self.journal.span(started, self.host.now(), "restore")
@@ -250,26 +266,16 @@ class Supervisor:
             self._sleep(r.supervisor.wait_s)
             return State.VERIFYING
         n = (before.n if before else self.attempts_before) + 1  # in memory: a full disk may hold the journal's rows
-        earlier = self.journal.attempts()
-        unwritten = self.node.record(self.run_id, *interval.run_failures(earlier, now), now)
-        save_steps = r.checkpoint.save_steps
-        if save_steps == "auto":  # from the measured save cost, step time and failure rate (interval.py)
-            choice = interval.choose(interval.evidence(earlier, self.node.others(self.run_id), self.save_gib * GIB,
-                                                       None, *self.step_time, now))
-            save_steps = choice.steps
-            self.journal.event("save_interval", f"attempt {n}: {choice.reason}", **choice.as_dict(),
-                               **({"node_history_unwritten": unwritten} if unwritten else {}))
-        self.metrics.save_interval(save_steps)
-        self.journal.put(save_interval=save_steps)  # status, history, the report
-
-        def measured(kind: str, seconds: float, details: dict) -> None:
-            (self.metrics.startup_cost if kind == "startup" else self.metrics.save_cost)(seconds)
-            self.journal.event(f"{kind}_seconds", f"attempt {n}: {kind} took {seconds:.1f} s", seconds=seconds, **details)
-        cmd = render_command(r, resume, port, save_steps)
+        if export:
+            save_steps, measured = None, None
+            cmd = render_export(r, resume.path, str(self.checkpoints.export_staging(resume.path)), port)
+        else:
+            save_steps, measured = self._save_interval(n, now), self._cost_reporter(n)
+            cmd = render_command(r, resume, port, save_steps)
         log = self.state_dir / "attempts" / f"attempt-{n:04d}.log"
         # The row first: a supervisor killed right after the launch leaves a row its successor closes.
         row = Attempt(n, now, port=port, resumed_from=resume.path if resume else None, log_path=str(log),
-                      start_step=resume.step if resume else 0)
+                      start_step=resume.step if resume else 0, kind="export" if export else "train")
         self.journal.record_attempt(row)
         try:
             launched = self.host.launch(cmd, log, self.run_id, cwd=str(self.out))
@@ -284,10 +290,33 @@ class Supervisor:
         self.host.evidence_baseline(launched, self.run_id, self._run_gpus() if r.gpu.check else [])
         self.checkpoints.forget_after(self.attempt.good_step_at_launch)
         self.journal.event("launch", f"attempt {n} pid {launched.pid} port {port}"
-                           + (f" resuming from {resume.path}" if resume else " fresh"), argv=list(cmd.argv))
-        if n > 1:
+                           + (f" exporting the merged model of {resume.path}" if export else
+                              f" resuming from {resume.path}" if resume else " fresh"), argv=list(cmd.argv))
+        if n > 1 and not (export and before and before.row.kind == "train"):  # the export is no restart
             self.metrics.restart()
         return State.RUNNING
+
+    def _save_interval(self, n: int, now: float) -> int:
+        """The recipe's save_steps, or for "auto" the interval chosen from the measured save cost, step time
+        and failure rate (interval.py), recorded with its inputs."""
+        r, earlier = self.recipe, self.journal.attempts()
+        unwritten = self.node.record(self.run_id, *interval.run_failures(earlier, now), now)
+        save_steps = r.checkpoint.save_steps
+        if save_steps == "auto":
+            choice = interval.choose(interval.evidence(earlier, self.node.others(self.run_id), self.save_gib * GIB,
+                                                       None, *self.step_time, now))
+            save_steps = choice.steps
+            self.journal.event("save_interval", f"attempt {n}: {choice.reason}", **choice.as_dict(),
+                               **({"node_history_unwritten": unwritten} if unwritten else {}))
+        self.metrics.save_interval(save_steps)
+        self.journal.put(save_interval=save_steps)  # status, history, the report
+        return save_steps
+
+    def _cost_reporter(self, n: int):
+        def measured(kind: str, seconds: float, details: dict) -> None:
+            (self.metrics.startup_cost if kind == "startup" else self.metrics.save_cost)(seconds)
+            self.journal.event(f"{kind}_seconds", f"attempt {n}: {kind} took {seconds:.1f} s", seconds=seconds, **details)
+        return measured
 
     def _watch(self) -> State:
         a, s = self.attempt, self.recipe.supervisor
@@ -307,8 +336,12 @@ class Supervisor:
         if a.bad:  # also when the trainer exited after the NaN (a crash, or max steps) before this pass
             self.journal.put(nan_pending={"attempt": a.n, "step": a.bad_step})  # survives a kill before _clean
             return self._crashed(Crash(CrashClass.NAN_LOSS, a.bad, Phase.TRAINING))
+        if exited and a.row.kind == "export":
+            return self._export_finished(a)
+        if exited and a.done and a.launched.status.code == 0:
+            return self._training_finished(a) if self.recipe.checkpoint.merge == "final" else State.COMPLETED
         if exited:
-            return State.COMPLETED if a.done and a.launched.status.code == 0 else self._crashed(None)
+            return self._crashed(None)
         if self.stop_event.is_set():
             return State.STOPPING
         if full:
@@ -322,13 +355,51 @@ class Supervisor:
             return State.GAVE_UP
         hang = policy.hang_verdict(mono, a.launched.started_mono, a.last_step_mono, s.hang_timeout_s,
                                    s.startup_timeout_s)
-        if hang and self._saving(now):
+        if hang and a.row.kind == "export":
+            hang = (f"the export still runs after startup_timeout_s = {s.startup_timeout_s:.0f} s (an export logs "
+                    f"no steps: startup_timeout_s bounds it; raise it for a model this size)")
+        elif hang and self._saving(now):
             hang = None
         if hang:
             a.hang_at = now
             self.host.dump_stacks(a.launched.pid, self.state_dir / f"stacks-{a.n:04d}.txt")
             return self._crashed(Crash(CrashClass.NCCL_TIMEOUT_HANG, (hang,), self._phase()))
         return State.RUNNING
+
+    def _training_finished(self, a: AttemptWatch) -> State:
+        """checkpoint.merge = "final": training is over; the export of its last checkpoint comes next (in
+        the journal first, so a supervisor restarted from here goes straight to the export)."""
+        self._finish_attempt(Crash(CrashClass.OTHER), stopped=True)
+        self.training_done = {"step": a.last.step if a.last else None, "recipe_hash": self.hash}
+        self.journal.put(training_done=self.training_done)
+        self.journal.event("training_done", f"training finished at step {self.training_done['step']}: exporting "
+                           "the merged model of the newest verified checkpoint (checkpoint.merge = \"final\")")
+        return State.VERIFYING  # the trainer's GPUs must be clear before the export loads the model again
+
+    def _export_finished(self, a: AttemptWatch) -> State:
+        """The export exited: 0 with a merged copy that verifies -> renamed into place, COMPLETED; anything
+        else is a crash like a trainer's (classified, policy decides, the relaunch exports again)."""
+        if a.launched.status.code != 0:
+            return self._crashed(None)
+        final, problems = self.checkpoints.place_merged(a.resume.path)
+        if problems:
+            return self._crashed(Crash(CrashClass.OTHER, ("the export exited 0 but its output failed "
+                                                          "verification; not published",) + problems, Phase.UNKNOWN))
+        self._finish_attempt(Crash(CrashClass.OTHER), stopped=True)
+        self.journal.event("merged", f"verified {final.name} ({a.resume.path} merged): published by the sync")
+        self.sidecar.trigger()
+        return State.COMPLETED
+
+    def _export_phase(self) -> bool:
+        """Training of a checkpoint.merge = "final" run is over (this supervisor saw it, or the journal says so
+        for this recipe): the next launch is the export."""
+        if self.recipe.checkpoint.merge != "final":
+            return False
+        if self.training_done is None:
+            done = self.journal.get_all().get("training_done")
+            if isinstance(done, dict) and done.get("recipe_hash") == self.hash:
+                self.training_done = done
+        return self.training_done is not None
 
     def _crashed(self, found: Crash | None) -> State:
         """`found`: what the supervisor itself saw (hang, NaN); otherwise classify the log. Then what the machine

@@ -143,6 +143,7 @@ class Attempt:
     save_count: int | None = None        # how many saves save_s averages
     node: str | None = None              # multi-node: the node whose task failed first
     system: dict | None = None           # the SystemEvidence seen at the crash (dataclasses.asdict), when taken
+    kind: str = "train"                  # "train", or "export": the final merge of checkpoint.merge = "final"
 
 
 class Action(StrEnum):

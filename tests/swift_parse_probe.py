@@ -1,4 +1,4 @@
-"""Parse rendered commands with ms-swift's own argument classes, as `megatron sft` / `swift sft` do.
+"""Parse rendered commands with ms-swift's own argument classes, as `megatron sft|export` / `swift sft|export` do.
 
 Run as a subprocess by tests/test_swift_parse.py (the stubs below must not leak into other tests).
 stdin: JSON list of {"argv": [...], "env": {...}}; stdout (last line): JSON list of results.
@@ -61,8 +61,8 @@ def import_megatron_args():
         sys.meta_path.remove(finder)
         for k in [k for k in sys.modules if k.split(".")[0] in finder.prefixes]:
             del sys.modules[k]
-    from swift.megatron.arguments import MegatronSftArguments, megatron_args, sft_args
-    return MegatronSftArguments, megatron_args, sft_args
+    from swift.megatron.arguments import MegatronExportArguments, MegatronSftArguments, megatron_args, sft_args
+    return {"sft": MegatronSftArguments, "export": MegatronExportArguments}, megatron_args, sft_args
 
 
 def parse(args_class, argv: list[str]) -> dict:
@@ -75,7 +75,7 @@ def parse(args_class, argv: list[str]) -> dict:
     keep = ("tuner_type", "finetune", "mcore_adapter", "adapters", "merge_lora", "no_save_optim", "num_train_epochs",
             "expert_model_parallel_size", "world_size", "data_parallel_size", "num_microbatches", "lora_rank",
             "accumulate_allreduce_grads_in_fp32", "padding_free", "output_dir", "resume_from_checkpoint",
-            "resume_only_model", "gradient_accumulation_steps")
+            "resume_only_model", "gradient_accumulation_steps", "to_hf", "exist_ok", "model", "ckpt_dir")
     parsed = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     return {"remaining": remaining,
             "parsed": {k: v for k, v in parsed.items() if isinstance(v, (str, int, float, bool, list, type(None)))}}
@@ -88,11 +88,12 @@ def main() -> None:
     for cmd in commands:
         argv, env = cmd["argv"], cmd["env"]
         os.environ.update(env)
-        sub = argv.index("sft")
+        sub = next(i for i, w in enumerate(argv) if w in ("sft", "export"))
         if argv[sub - 1].endswith("megatron"):
             if megatron is None:
                 megatron = import_megatron_args()
-            cls, margs, sargs = megatron
+            classes, margs, sargs = megatron
+            cls = classes[argv[sub]]
             world = int(env.get("NPROC_PER_NODE", "1"))
 
             def fake_initialize(a, world=world):
@@ -102,8 +103,8 @@ def main() -> None:
                     mock.patch.object(margs, "initialize_megatron", fake_initialize):
                 results.append(parse(cls, argv[sub + 1:]))
         else:
-            from swift.arguments import SftArguments
-            results.append(parse(SftArguments, argv[sub + 1:]))
+            from swift.arguments import ExportArguments, SftArguments
+            results.append(parse(SftArguments if argv[sub] == "sft" else ExportArguments, argv[sub + 1:]))
         for k in env:
             os.environ.pop(k, None)
     print(json.dumps(results, default=str))

@@ -478,3 +478,79 @@ def test_verify_command_prints_the_step_of_a_renamed_copy(tmp_path, write_recipe
                                           "recipe with run.backend = \"swift\" to verify or resume from it")
     res = CliRunner().invoke(main, ["verify", str(copy / "adapter_model.safetensors")])
     assert res.exit_code == 0 and res.stdout == f"ok: {copy / 'adapter_model.safetensors'}\n"
+
+
+# ---------------------------------------------------------------- verify_merged (the final export's output)
+
+def _export(d: Path, shards: int = 2) -> Path:
+    d.mkdir(parents=True)
+    wmap, total = {}, 0
+    for k in range(1, shards + 1):
+        shard = f"model-{k:05d}-of-{shards:05d}.safetensors"
+        t = {f"model.layers.{k}.mlp.weight": np.ones((8, 8), np.float32), f"model.layers.{k}.norm": np.ones(8, np.float32)}
+        save_file(t, str(d / shard))
+        wmap.update({n: shard for n in t})
+        total += sum(a.nbytes for a in t.values())
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}))
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def _drop_shard(d):
+    (d / "model-00002-of-00002.safetensors").unlink()
+
+
+def _truncate_shard(d):
+    f = d / "model-00001-of-00002.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+
+
+def _wrong_total(d):
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    idx["metadata"]["total_size"] += 4
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+
+
+def _tensor_elsewhere(d):
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["model.layers.9.mlp.weight"] = "model-00001-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+
+
+def _no_config(d):
+    (d / "config.json").unlink()
+
+
+def _no_weights(d):
+    for f in d.glob("model*"):
+        f.unlink()
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (None, None),
+    (_drop_shard, "listed in the index but missing"),
+    (_truncate_shard, "truncated"),
+    (_wrong_total, "total_size"),
+    (_tensor_elsewhere, "absent from their shard"),
+    (_no_config, "config.json missing"),
+    (_no_weights, "wrote no weights"),
+], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_verify_merged(tmp_path, damage, needle):
+    d = _export(tmp_path / ".partial-checkpoint-10-merged")
+    if damage:
+        damage(d)
+    v = ck.verify_merged(d)
+    assert v.ok == (needle is None), v.problems
+    if needle:
+        assert any(needle in p for p in v.problems), v.problems
+    else:
+        assert v.files == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors") and v.tensors == 4
+
+
+def test_verify_merged_single_file(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file({"w": np.ones((4, 4), np.float32)}, str(d / "model.safetensors"))
+    (d / "config.json").write_text("{}")
+    assert ck.verify_merged(d).ok
+    assert not ck.verify_merged(tmp_path / "absent").ok

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+
 from orchestrator import demo
+from orchestrator.checkpoints import verify_merged
 from orchestrator.goodput import goodput_of
 from orchestrator.recipe import load, recipe_hash
 from supervised import cli, free_port_range, journal
@@ -70,11 +72,16 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
     out = work / "run" / "out"
     j = journal(out)
     try:
-        first, second = j.attempts()
+        first, second, export = j.attempts()  # the demo's checkpoint.merge = "final": the export comes last
         kept = next(c for c in j.checkpoints() if c["step"] == second.start_step)
         g = goodput_of(j)
     finally:
         j.close()
+
+    # the demo ends with the real `swift export` of its last checkpoint, verified and published
+    assert export.kind == "export" and export.cls is None and export.resumed_from == str(out / "checkpoint-30")
+    (merged,) = (work / "run" / "persistent").glob("*/checkpoint-30-merged")
+    assert verify_merged(merged).ok
 
     # the console names the step the SIGKILL really hit: the killed attempt's last step
     told = re.search(r"demo: injected SIGKILL into the trainer .* at step (\d+)", p.stdout)
@@ -96,7 +103,7 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
     assert str(out / ".orchestrator" / "report.html") in p.stdout
     h = cli(*commands["history"][1:], "--json", cwd=here)
     assert h.returncode == 0, h.stderr
-    assert [a["end_step"] for a in json.loads(h.stdout)["attempts"]] == [first.end_step, 30]
+    assert [a["end_step"] for a in json.loads(h.stdout)["attempts"]] == [first.end_step, 30, None]
     s = cli(*commands["status"][1:], "--json", cwd=here)
     assert s.returncode == 0 and json.loads(s.stdout)["state"] == "completed", s.stderr
     rep = cli(*commands["report"][1:], cwd=here)
@@ -105,7 +112,7 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
     assert again.returncode == 0, again.stderr
     j = journal(out)
     try:
-        assert len(j.attempts()) == 2, "a completed run relaunches nothing"
+        assert len(j.attempts()) == 3, "a completed run relaunches nothing"
         assert goodput_of(j).total_s == pytest.approx(g.total_s), "and adds no idle time"
     finally:
         j.close()

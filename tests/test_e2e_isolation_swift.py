@@ -39,7 +39,8 @@ def test_a_drifted_run_beside_a_running_one_loses_nothing(tiny, tmp_path):
             f"run.output_dir={json.dumps(str(tmp_path / 'out'))}",
             f"run.persistent_dir={json.dumps(str(tmp_path / 'persist'))}",
             f"optim.iterations={STEPS}", "checkpoint.save_steps=10", "metrics.enabled=false",
-            "supervisor.wait_s=0.5", "supervisor.poll_s=0.1", f"supervisor.port_range=[{lo}, {hi}]"]
+            "supervisor.wait_s=0.5", "supervisor.poll_s=0.1", f"supervisor.port_range=[{lo}, {hi}]",
+            'checkpoint.merge="never"']  # about the trainings side by side; the export: test_e2e_merge_final
     args = [a for s in sets for a in ("--set", s)]
     run = [sys.executable, "-m", "orchestrator", "run", str(DEMO), *args]
     ra, rb = load(DEMO, sets), load(DEMO, [*sets, "optim.lr=2e-4"])

@@ -48,7 +48,9 @@ def recipe(tiny, out: Path, *extra: str):
                        f"run.persistent_dir={json.dumps(str(out / 'persist'))}",
                        "optim.iterations=30", "checkpoint.save_steps=10", "metrics.listen=\"127.0.0.1:0\"",
                        "metrics.linger_s=0", "supervisor.wait_s=0.5", "supervisor.poll_s=0.1",
-                       f"supervisor.port_range=[{lo}, {hi}]", *extra])
+                       f"supervisor.port_range=[{lo}, {hi}]",
+                       'checkpoint.merge="never"',  # these runs are about training (the export: test_e2e_merge_final)
+                       *extra])
 
 
 def losses(out: Path) -> dict[int, float]:

@@ -6,9 +6,10 @@ import pytest
 from orchestrator.retention import Local, plan_prune
 
 
-def ck(step, ok=True, complete=True, published=True, merged=False):
+def ck(step, ok=True, complete=True, published=True, merged=False, merged_published=None):
     return Local(step, f"checkpoint-{step}", complete, ok, published,
-                 merged_path=f"checkpoint-{step}-merged" if merged else None)
+                 merged_path=f"checkpoint-{step}-merged" if merged else None,
+                 merged_published=published if merged_published is None else merged_published)
 
 
 @pytest.mark.parametrize("local, keep, persistent, keep_merged, pressure, pruned", [
@@ -30,6 +31,13 @@ def ck(step, ok=True, complete=True, published=True, merged=False):
      ["checkpoint-10", "checkpoint-10-merged"]),
     # nothing published: a kept checkpoint's merged copy stays (it is the only one)
     ([ck(10, merged=True, published=False), ck(20, merged=True, published=False)], 2, False, False, False, []),
+    # the final export's merged copy appears after its checkpoint was published: kept until it is published too
+    ([ck(10), ck(20, merged=True, merged_published=False)], 2, True, False, False, []),
+    ([ck(10), ck(20, merged=True, merged_published=False)], 2, True, False, True, ["checkpoint-10"]),
+    # a pruned checkpoint's unpublished merged copy stays; a published one goes with it
+    ([ck(10, merged=True, merged_published=False), ck(20)], 1, True, False, False, ["checkpoint-10"]),
+    ([ck(10, merged=True, merged_published=False), ck(20)], 1, False, False, False,
+     ["checkpoint-10", "checkpoint-10-merged"]),
     # pressure: keep only the resume point and the unpublished
     ([ck(10), ck(20), ck(30)], 3, True, False, True, ["checkpoint-10", "checkpoint-20"]),
     ([ck(10, published=False), ck(20), ck(30)], 3, True, False, True, ["checkpoint-20"]),

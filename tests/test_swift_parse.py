@@ -20,6 +20,7 @@ from conftest import ROOT
 from orchestrator import estimate, tiny
 from orchestrator import recipe as R
 from orchestrator.render.command import render_command
+from orchestrator.render.export import render_export
 from orchestrator.types import Resume
 
 pytest.importorskip("swift", reason="ms-swift is not installed (scripts/setup.sh --test)")
@@ -85,6 +86,26 @@ def test_megatron_recipes_parse(name, tmp_path):
     assert p["accumulate_allreduce_grads_in_fp32"] is True  # what estimate.py counts: an fp32 grad buffer
 
 
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_megatron_export_parses(name, tmp_path):
+    """checkpoint.merge = "final": the export of the last checkpoint, parsed by MegatronExportArguments."""
+    r = large_recipe(name, tmp_path)
+    assert r.checkpoint.merge == "final"
+    ckpt = checkpoint(tmp_path / "out" / "checkpoint-100", ["all-linear"])
+    # megatron sft's args.json, as far as `megatron export` reads it (load_args_config: the tuner's keys)
+    (ckpt / "args.json").write_text(json.dumps({"model": None, "tuner_type": "lora", "lora_rank": 32,
+                                                "lora_alpha": 64, "target_modules": ["all-linear"]}))
+    staging = tmp_path / "out" / ".partial-checkpoint-100-merged"
+    staging.mkdir()  # a relaunch after a failed export finds it there: --exist_ok
+    (res,) = probe([render_export(r, str(ckpt), str(staging), 29500)])
+    assert "error" not in res, res.get("trace")
+    assert res["remaining"] == []
+    p = res["parsed"]
+    assert p["adapters"] == [str(ckpt)] and p["merge_lora"] is True and p["to_hf"] is True
+    assert p["output_dir"] == str(staging) and p["world_size"] == r.parallel.nproc_per_node
+    assert p["expert_model_parallel_size"] == r.parallel.expert
+
+
 def test_megatron_parser_rejects_what_ms_swift_rejects(tmp_path):
     """The probe is not a rubber stamp: a flag ms-swift does not know is left over, a bad layout raises.
 
@@ -116,3 +137,18 @@ def test_demo_recipe_parses(tiny_model, tmp_path):
         assert res["remaining"] == []
     assert resume["parsed"]["resume_from_checkpoint"] == str(ckpt)
     assert weights["parsed"]["resume_only_model"] is True
+
+
+def test_demo_export_parses(tiny_model, tmp_path):
+    r = R.load(ROOT / "orchestrator" / "data" / "demo-cpu.toml",
+               [f"model.path={tiny_model['model']!r}", f"data.dataset=[{tiny_model['data']!r}]",
+                f"run.output_dir={str(tmp_path / 'out')!r}"])
+    assert r.checkpoint.merge == "final"
+    ckpt = checkpoint(tmp_path / "out" / "checkpoint-4", ["all-linear"])
+    staging = tmp_path / "out" / ".partial-checkpoint-4-merged"
+    staging.mkdir()
+    (res,) = probe([render_export(r, str(ckpt), str(staging))])
+    assert "error" not in res, res.get("trace")
+    assert res["remaining"] == []
+    assert res["parsed"]["adapters"] == [str(ckpt)] and res["parsed"]["merge_lora"] is True
+    assert res["parsed"]["output_dir"] == str(staging)

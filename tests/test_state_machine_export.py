@@ -1,0 +1,180 @@
+"""checkpoint.merge = "final", table-tested on the fake host: after the last step the export of the newest
+verified checkpoint is one more attempt (kind "export") of the same loop; a merged copy takes its
+published name (checkpoint-N-merged) only after it verifies. Real files in tmp_path; the exporter is the
+fake host's trainer: the test writes what ms-swift would have written into the --output_dir it was given."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from test_checkpoints import make_megatron
+from test_state_machine import BASE, MAX, OOM, drive, journal, world  # noqa: F401 (world: the fixture)
+from orchestrator.types import Action, CrashClass, State
+
+FINAL = {"checkpoint": {"merge": "final"}, "lora": {"rank": 8, "alpha": 32}}
+
+
+def write_export(out: Path, shards: int = 2, drop: int | None = None) -> None:
+    """What `megatron export --to_hf` writes: config.json, shards, model.safetensors.index.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    wmap, total = {}, 0
+    for k in range(1, shards + 1):
+        shard = f"model-{k:05d}-of-{shards:05d}.safetensors"
+        t = {f"model.layers.{k}.mlp.weight": np.ones((8, 8), np.float32)}
+        wmap.update({n: shard for n in t})
+        total += 8 * 8 * 4
+        if k != drop:
+            save_file(t, str(out / shard))
+    (out / "model.safetensors.index.json").write_text(
+        f'{{"metadata": {{"total_size": {total}}}, "weight_map": {__import__("json").dumps(wmap)}}}')
+    (out / "config.json").write_text("{}")
+
+
+def option(argv, name: str) -> str:
+    return argv[argv.index(f"--{name}") + 1]
+
+
+def trained(sup, host):
+    """Training to max steps with checkpoint-MAX saved, exited 0: one RUNNING pass."""
+    drive(sup, State.RUNNING)
+    t = host.trainers[-1]
+    make_megatron(sup.out, MAX)
+    t.steps(1, MAX, MAX)
+    t.exit(code=0)
+    return sup.step()
+
+
+def exporting(sup, host):
+    assert trained(sup, host) is State.VERIFYING
+    drive(sup, State.RUNNING)
+    return host.trainers[-1]
+
+
+def test_training_done_goes_to_the_export_not_completed(world):
+    sup, host = world(**FINAL)
+    assert trained(sup, host) is State.VERIFYING
+    j = journal(sup)
+    assert j.get_all()["training_done"] == {"step": MAX, "recipe_hash": sup.hash}
+    first = j.last_attempt()
+    assert first.kind == "train" and first.ended_at is not None and first.cls is None
+    assert sup.step() is State.RELAUNCHING and sup.step() is State.RUNNING
+    cmd = host.trainers[-1].cmd
+    ckpt = str(sup.out / f"checkpoint-{MAX}")
+    assert cmd.argv[1] == "export" and option(cmd.argv, "adapters") == ckpt
+    assert option(cmd.argv, "merge_lora") == "true" and option(cmd.argv, "to_hf") == "true"
+    assert option(cmd.argv, "output_dir") == str(sup.out / f".partial-checkpoint-{MAX}-merged")
+    assert option(cmd.argv, "exist_ok") == "true" and "sft" not in cmd.argv
+    row = journal(sup).last_attempt()
+    assert row.kind == "export" and row.n == 2 and row.resumed_from == ckpt and row.start_step == MAX
+
+
+def test_merge_never_completes_at_the_last_step(world):
+    sup, host = world(lora=FINAL["lora"], checkpoint={"merge": "never"})
+    assert trained(sup, host) is State.COMPLETED
+    assert "training_done" not in journal(sup).get_all()
+
+
+def _ok(sup, t):
+    write_export(Path(option(t.cmd.argv, "output_dir")))
+    t.exit(code=0)
+
+
+def _partial_exit_0(sup, t):  # a shard listed in the index is missing
+    write_export(Path(option(t.cmd.argv, "output_dir")), drop=2)
+    t.exit(code=0)
+
+
+def _oom(sup, t):
+    write_export(Path(option(t.cmd.argv, "output_dir")), drop=2)
+    t.write(OOM)
+    t.exit(code=1)
+
+
+def _killed(sup, t):
+    write_export(Path(option(t.cmd.argv, "output_dir")), drop=1)
+    t.exit(signal=9)
+
+
+def _no_exit(sup, t):  # an export logs no steps: startup_timeout_s bounds it
+    sup.host.mono += BASE["supervisor"]["startup_timeout_s"] + 1
+
+
+def _still_running(sup, t):
+    pass
+
+
+@pytest.mark.parametrize("event, next_state, cls, action", [
+    (_ok, State.COMPLETED, None, None),
+    (_partial_exit_0, State.CRASHED, CrashClass.OTHER, Action.GIVE_UP),
+    (_oom, State.CRASHED, CrashClass.COLD_START_OOM, Action.RELAUNCH),
+    (_killed, State.CRASHED, CrashClass.HOST_OOM_KILLED, Action.RELAUNCH),
+    (_no_exit, State.CRASHED, CrashClass.NCCL_TIMEOUT_HANG, Action.RELAUNCH),
+    (_still_running, State.RUNNING, None, None),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_export_attempt(world, event, next_state, cls, action):
+    sup, host = world(**FINAL)
+    t = exporting(sup, host)
+    event(sup, t)
+    assert sup.step() is next_state
+    merged = sup.out / f"checkpoint-{MAX}-merged"
+    assert merged.is_dir() == (next_state is State.COMPLETED), "only a verified export takes the published name"
+    if next_state is State.COMPLETED:
+        assert not (sup.out / f".partial-checkpoint-{MAX}-merged").exists()
+        row = journal(sup).last_attempt()
+        assert row.kind == "export" and row.ended_at is not None and row.cls is None
+    if cls is not None:
+        assert sup.attempt.crash.cls is cls, sup.attempt.crash
+        assert sup.step() is State.CLEANING and sup.attempt.decision.action is action
+        if cls is CrashClass.NCCL_TIMEOUT_HANG:
+            assert "startup_timeout_s" in sup.attempt.crash.evidence[0]
+
+
+def test_a_failed_export_is_exported_again_into_a_clean_staging_dir(world):
+    sup, host = world(**FINAL)
+    t = exporting(sup, host)
+    _oom(sup, t)
+    staging = Path(option(t.cmd.argv, "output_dir"))
+    assert sup.step() is State.CRASHED
+    drive(sup, State.RUNNING)   # crashed -> cleaning -> waiting -> verifying -> relaunching -> running
+    again = host.trainers[-1]
+    assert again is not t and again.cmd.argv[1] == "export" and option(again.cmd.argv, "output_dir") == str(staging)
+    assert not staging.exists(), "the failed export's partial files are gone before the export runs again"
+    assert not (sup.out / f"checkpoint-{MAX}-merged").exists()
+    _ok(sup, again)
+    assert sup.step() is State.COMPLETED and (sup.out / f"checkpoint-{MAX}-merged").is_dir()
+    assert [a.kind for a in journal(sup).attempts()] == ["train", "export", "export"]
+
+
+def test_a_supervisor_restarted_after_training_goes_straight_to_the_export(world):
+    sup, host = world(**FINAL)
+    assert trained(sup, host) is State.VERIFYING
+    sup._shutdown()
+    again, host2 = world(**FINAL)
+    drive(again, State.RUNNING)
+    assert [t.cmd.argv[1] for t in host2.trainers] == ["export"]
+    assert journal(again).last_attempt().kind == "export"
+
+
+def test_a_supervisor_restarted_during_the_export_exports_again(world):
+    sup, host = world(**FINAL)
+    t = exporting(sup, host)
+    write_export(Path(option(t.cmd.argv, "output_dir")), drop=2)  # killed mid-write with the supervisor
+    sup._shutdown()
+    again, host2 = world(**FINAL)
+    drive(again, State.RUNNING)
+    assert [t.cmd.argv[1] for t in host2.trainers] == ["export"]
+    assert not (again.out / f"checkpoint-{MAX}-merged").exists()
+
+
+def test_a_verified_merged_copy_completes_a_restarted_run(world):
+    """Killed after the export finished, before COMPLETED was recorded: its verified output completes the run."""
+    sup, host = world(**FINAL)
+    t = exporting(sup, host)
+    write_export(Path(option(t.cmd.argv, "output_dir")))
+    sup._shutdown()
+    again, host2 = world(**FINAL)
+    drive(again, State.COMPLETED)
+    assert not host2.trainers and (again.out / f"checkpoint-{MAX}-merged").is_dir()
