@@ -121,7 +121,9 @@ def recipe_for(work: Path, name: str, model: dict, steps: int, scale: dict, fake
     over = [f"model.path={json.dumps(model['model'])}", f"data.dataset=[{json.dumps(model['data'])}]",
             f"run.output_dir={json.dumps(str(work / name / 'out'))}",
             f"run.persistent_dir={json.dumps(str(work / name / 'persist'))}",
-            f"optim.iterations={steps}", "optim.global_batch_size=1", "checkpoint.save_steps=10", "metrics.listen=\"127.0.0.1:0\"",
+            f"optim.iterations={steps}", "optim.global_batch_size=1", "checkpoint.save_steps=10",
+            "checkpoint.merge=\"never\"",  # the plain loop merges nothing: compare training alone
+            "metrics.listen=\"127.0.0.1:0\"",
             "metrics.linger_s=0", f"supervisor.wait_s={scale['wait_s']}",
             f"supervisor.nccl_settle_s={scale['nccl_settle_s']}", f"supervisor.hang_timeout_s={scale['hang_timeout_s']}",
             "supervisor.poll_s=0.1", f"supervisor.port_range=[{lo}, {hi}]",

@@ -1,187 +1,19 @@
-"""`orchestrator plan`: the exact command, the recipe hash, a memory estimate and pre-flight checks.
-
-Checks read the filesystem, NVML and a socket; each is a small function returning a Check, so the
-same list serves `plan` (print everything) and `run` (refuse to launch on a fatal failure).
-"""
+"""`orchestrator plan`: the exact command, the recipe hash, memory and storage budgets, the save interval it
+would start with, and the pre-flight checks (preflight.py, the same list `run` refuses to launch on)."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
-from orchestrator import estimate, gpu, interval, launcher, storage
-from orchestrator.host_probe import exists, first_free_port, free_bytes, held_bytes, mount_point, probe_write
+from orchestrator import estimate, gpu, interval
+from orchestrator.host_probe import first_free_port, probe_write
 from orchestrator.node_history import NodeHistory
-from orchestrator.recipe import Recipe, expert_count, read_model_config, recipe_hash
+from orchestrator import preflight
+from orchestrator.preflight import GIB, check_publish, stoppers, storage_budget
+from orchestrator.recipe import Recipe, read_model_config, recipe_hash
 from orchestrator.render.command import render_command
 from orchestrator.rundir import run_id
 from orchestrator.types import Check, GpuSnapshot
-
-GIB = 1024**3
-
-
-def check_model(r: Recipe) -> Check:
-    d = Path(r.model.path)
-    if not exists(d / "config.json") or not (d / "config.json").is_file():
-        return Check("model", False, f"{d}: no config.json (model.path must be a local HF model directory)")
-    weights = list(d.glob("*.safetensors"))
-    if not weights:
-        return Check("model", False, f"{d}: config.json found but no *.safetensors weights")
-    return Check("model", True, f"{d}: config.json and {len(weights)} safetensors file(s)")
-
-
-def check_data(r: Recipe) -> Check:
-    local = [p for p in r.data.dataset + r.data.val_dataset if p.startswith("/")]
-    missing = [p for p in local if not exists(Path(p.split("#")[0]))]
-    if missing:
-        return Check("dataset", False, f"missing: {', '.join(missing)}")
-    remote = len(r.data.dataset + r.data.val_dataset) - len(local)
-    detail = f"{len(local)} local file(s) found"
-    if remote:
-        return Check("dataset", False, f"{detail}; {remote} non-local dataset id(s): runs are offline, use local files")
-    return Check("dataset", True, detail)
-
-
-def model_config(r: Recipe) -> tuple[dict | None, int | None]:
-    """The model's config.json (else a known published config) and the index's total_size in bytes."""
-    total_bytes = None
-    try:
-        index = json.loads((Path(r.model.path) / "model.safetensors.index.json").read_text())
-        total_bytes = int(index["metadata"]["total_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return read_model_config(r) or estimate.known_config(r.model.path), total_bytes
-
-
-def storage_budget(r: Recipe) -> tuple[storage.StorageBudget, dict[str, dict]]:
-    """The budget (keep_local defaulting to what output_dir's disk can hold) and each disk's free and held bytes."""
-    disks = {name: {"path": path, "free_bytes": free_bytes(path), "held_bytes": held_bytes(path)}
-             for name, path in (("output_dir", r.run.output_dir), ("persistent_dir", r.run.persistent_dir)) if path}
-    out = disks["output_dir"]
-    cfg, total_bytes = model_config(r)
-    return storage.budget(r, cfg, total_bytes, out["free_bytes"] + out["held_bytes"]), disks
-
-
-def check_storage(r: Recipe, b: storage.StorageBudget, disks: dict[str, dict]) -> list[Check]:
-    """Fatal when a disk cannot hold what retention keeps there (the trainer would meet ENOSPC mid-run)."""
-    c, checks = r.checkpoint, []
-    fixes = []
-    if c.merge == "every_save":
-        fixes.append("set checkpoint.merge = \"final\" (one merged copy after training, not one per save) or \"never\"")
-    elif c.merge == "final":
-        fixes.append(f"set checkpoint.merge = \"never\" (no {storage.gib(b.final_merged_bytes)} export at the end)")
-    if "mcore_shards" in b.per_save_bytes or "optimizer" in b.per_save_bytes:
-        fixes.append("set checkpoint.keep_optimizer = false (weights-only resume)")
-    keep_local = [f"lower checkpoint.keep_local (now {b.keep_local})"] if b.keep_local > 1 else []
-    fixes_for = {"output_dir": [*keep_local, *fixes, "raise checkpoint.save_steps (fewer copies waiting to be published)"],
-                 "persistent_dir": [f"lower checkpoint.keep_persistent (now {c.keep_persistent})", *fixes]}
-    need = {"output_dir": b.local_bytes, "persistent_dir": b.persistent_bytes}
-    per_save = sum(b.per_save_bytes.values())
-    for name in ("output_dir", "persistent_dir"):
-        d = disks.get(name)
-        if d is None:
-            checks.append(Check(f"disk:{name}", True, "not configured", fatal=False))
-            continue
-        avail = d["free_bytes"] + d["held_bytes"]
-        held = f" + {storage.gib(d['held_bytes'])} in this run's checkpoints" if d["held_bytes"] else ""
-        what = (f"{b.keep_local} kept + 1 being written, {storage.gib(per_save)} per save" if name == "output_dir"
-                else f"{c.keep_persistent} newest + the best-loss copy")
-        if b.final_merged_bytes:
-            what += f"; the final merged export {storage.gib(b.final_merged_bytes)}"
-        detail = (f"{d['path']} (disk {mount_point(d['path'])}): retention needs {storage.gib(need[name])} "
-                  f"({what}), {storage.gib(d['free_bytes'])} free{held}")
-        ok = need[name] <= avail
-        checks.append(Check(f"disk:{name}", ok, detail if ok else f"{detail}: does not fit; "
-                            f"{'; '.join(fixes_for[name])}; or free space"))
-    return checks
-
-
-def check_publish(r: Recipe, b: storage.StorageBudget, write_bytes_per_s: float | None, probe: str) -> Check:
-    """A warning: publishing slower than saves arrive piles unpublished copies up on the local disk."""
-    need, speed = b.publish_bytes_per_s, write_bytes_per_s or 0.0
-    wrote = f"wrote {speed / 2**20:,.0f} MiB/s" if write_bytes_per_s else f"not measured: {probe}"
-    detail = (f"{storage.gib(b.published_per_save_bytes)} per save every {b.save_interval_s / 60:.0f} min "
-              f"({round(b.save_interval_s / b.step_time_s)} steps x {b.step_time_s:g} s, {b.step_time_source}) needs "
-              f"{need / 2**20:,.0f} MiB/s; {r.run.persistent_dir} {wrote}")
-    ok = speed >= need
-    return Check("publish_throughput", ok, detail if ok else f"{detail}: raise checkpoint.save_steps, set "
-                 "checkpoint.merge = \"final\" or \"never\", or use faster persistent storage", fatal=False)
-
-
-def check_gpus(r: Recipe, snap: GpuSnapshot) -> Check:
-    if not r.gpu.check:
-        return Check("gpus", True, "GPU checks disabled (gpu.check = false)", fatal=False)
-    if snap.error:
-        return Check("gpus", False, f"cannot read GPUs: {snap.error} (no NVIDIA driver on this machine? "
-                                    "set gpu.check = false for a CPU run)")
-    n = len(snap.gpus)
-    want = r.parallel.nproc_per_node
-    visible = r.env.vars.get("CUDA_VISIBLE_DEVICES")
-    try:
-        ids = gpu.run_gpus(want, visible)
-    except gpu.GpuSelectionError as e:
-        return Check("gpus", False, str(e))
-    unmatched = [str(i) for i in ids if len(gpu.find(snap, i)) != 1]
-    if visible and unmatched:
-        return Check("gpus", False, f"CUDA_VISIBLE_DEVICES={visible}: {', '.join(unmatched)} not among the {n} GPU(s) "
-                                    "NVML sees (or not unique): list GPUs as nvidia-smi -L shows them")
-    return Check("gpus", n >= want, f"NVML sees {n} GPU(s), recipe needs nproc_per_node = {want}"
-                 + (f"; CUDA_VISIBLE_DEVICES selects {len(ids)}" if visible else ""))
-
-
-def check_port(r: Recipe) -> Check:
-    lo, hi = r.supervisor.port_range
-    port = first_free_port(lo, hi)
-    if port is None:
-        return Check("rendezvous_port", False, f"no free port in {lo}-{hi}")
-    return Check("rendezvous_port", True, f"{port} free (range {lo}-{hi})")
-
-
-def check_slurm(r: Recipe, environ=os.environ) -> list[Check]:
-    """parallel.nnodes > 1 runs as a Slurm job step: only inside an allocation (docs/slurm.md).
-    One node: no check (today's plan, unchanged)."""
-    n = r.parallel.nnodes
-    if n <= 1:
-        return []
-    if not environ.get("SLURM_JOB_ID"):
-        return [Check("nodes", False, f"parallel.nnodes = {n} needs a Slurm allocation, and SLURM_JOB_ID is not set: "
-                                     f"submit with `orchestrator sbatch RECIPE`, or run inside `salloc --nodes={n}`")]
-    return [Check("nodes", True, f"{n} nodes of Slurm job {environ['SLURM_JOB_ID']}")]
-
-
-def check_trainer(r: Recipe) -> Check:
-    """argv[0] of the rendered command exists and is executable, found as the launch will find it
-    (else the launch fails with no exit status to classify, and a restart fails the same way)."""
-    cmd = render_command(r, None, r.supervisor.port_range[0], save_steps=1)  # argv[0] is all this reads
-    name = cmd.argv[0]
-    exe = launcher.locate(name, cmd.env.get("PATH", os.environ.get("PATH")), r.run.output_dir)
-    if exe:
-        return Check("trainer", True, exe if exe == name else f"{name} -> {exe}")
-    where = f"run.entrypoint[0] = {name!r}" if r.run.entrypoint else f"{name!r} (the {r.run.backend} trainer)"
-    fix = ("give an existing executable (an absolute path, or a name on PATH)" if r.run.entrypoint else
-           "install ms-swift into this environment, or set run.entrypoint")
-    looked = "no executable file at that path" if os.sep in name else f"not found on PATH or next to {sys.executable}"
-    return Check("trainer", False, f"{where}: {looked}; {fix}")
-
-
-def check_layout(r: Recipe) -> list[Check]:
-    p, o = r.parallel, r.optim
-    experts = expert_count(r)
-    if experts is None:
-        ep = Check("experts_divisible_by_ep", False, "expert count unknown (no config.json; set model.num_experts)", fatal=False)
-    else:
-        ep = Check("experts_divisible_by_ep", experts % p.expert == 0, f"{experts} experts / EP {p.expert}")
-    dp = p.data_parallel
-    gbs = Check("global_batch_divisible", o.global_batch_size % (o.micro_batch_size * dp) == 0,
-                f"global {o.global_batch_size} / (micro {o.micro_batch_size} x DP {dp})")
-    return [ep, gbs]
-
-
-def preflight(r: Recipe, snap: GpuSnapshot) -> list[Check]:
-    return [check_model(r), check_data(r), *check_storage(r, *storage_budget(r)), check_gpus(r, snap), check_port(r),
-            *check_layout(r), check_trainer(r), *check_slurm(r)]
-
 
 def memory(r: Recipe, snap: GpuSnapshot) -> estimate.MemoryEstimate:
     cfg = read_model_config(r)
@@ -231,7 +63,7 @@ def save_interval(r: Recipe, storage_out: dict) -> dict:
 def plan(r: Recipe, reader: gpu.GpuReader | None = None, probe: bool = False) -> dict:
     snap = (reader or gpu.reader(r.gpu.check)).snapshot()
     storage_out, storage_checks = storage_section(r, probe)
-    checks = preflight(r, snap) + storage_checks
+    checks = preflight.checks(r, snap) + storage_checks
     lo, _ = r.supervisor.port_range
     chosen = save_interval(r, storage_out)
     cmd = render_command(r, None, first_free_port(*r.supervisor.port_range) or lo, chosen["steps"])
@@ -246,8 +78,3 @@ def plan(r: Recipe, reader: gpu.GpuReader | None = None, probe: bool = False) ->
         "storage": storage_out,
         "save_interval": chosen,
     }
-
-
-def stoppers(checks: list[Check]) -> list[Check]:
-    """The failed checks that stop `run` before it launches anything (the supervisor's pre-flight uses this)."""
-    return [c for c in checks if not c.ok and c.fatal]

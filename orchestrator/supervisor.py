@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from orchestrator import classify, gpu, interval, pagecache, plan, policy, verdict
+from orchestrator import classify, gpu, interval, pagecache, policy, preflight, verdict
 from orchestrator.host import Host
 from orchestrator.host_probe import first_free_port
 from orchestrator.journal import Journal, journal_path
@@ -166,7 +166,7 @@ class Supervisor:
         self.publish_lock.acquire()  # raises when another supervisor publishes into this run's directory
         if placement.note:
             self.journal.event("drift", placement.note, keys=list(placement.drifted_keys))
-        failed = plan.stoppers(plan.preflight(r, self.host.gpu_snapshot()))
+        failed = preflight.stoppers(preflight.checks(r, self.host.gpu_snapshot()))
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
@@ -180,7 +180,7 @@ class Supervisor:
         earlier = self.journal.attempts()
         self.attempts_before = earlier[-1].n if earlier else 0  # attempt numbers continue the journal's
         self.history = policy.rebuild_history(earlier, {c["step"] for c in self.journal.checkpoints() if c["ok"]})
-        budget, _ = plan.storage_budget(r)
+        budget, _ = preflight.storage_budget(r)
         self.keep_local, self.save_gib = budget.keep_local, sum(budget.per_save_bytes.values()) / GIB
         self.step_time = budget.step_time_s, budget.step_time_source  # the interval chooser's prior
         self.node = NodeHistory()  # earlier runs' failures on this node (save_steps = "auto")

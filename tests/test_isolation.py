@@ -159,7 +159,8 @@ def test_two_runs_one_after_the_other_keep_their_own_copies(tmp_path):
 
 
 def test_two_runs_at_the_same_time_keep_their_own_copies(tmp_path):
-    recipe = fake_recipe(tmp_path, iterations=200, extra_env={"FAKE_STEP_S": "0.05"}, state=False)
+    # 20 s of training: B's start (a Python process, seconds on a loaded machine) falls inside A's run.
+    recipe = fake_recipe(tmp_path, iterations=200, extra_env={"FAKE_STEP_S": "0.1"}, state=False)
     run = [sys.executable, "-m", "orchestrator", "run", str(recipe)]
     a = subprocess.Popen(run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert wait_for(lambda: (published_at(recipe) / "checkpoint-10").is_dir() or a.poll() is not None, 60)

@@ -21,7 +21,7 @@ LAYERS = {
     "domain": {"types", "orchestrator"},   # the package itself: imports nothing
     "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate",
                   "retention", "storage", "costs", "interval", "simulate_report", "verdict"},
-    "world": {"host", "launcher", "launch", "node_exec", "slurm_host",
+    "world": {"host", "launcher", "launch", "node_exec", "slurm_host", "preflight",
               "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
               "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe",
               "published", "shm", "pagecache", "node_history", "evidence"},

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import MODEL_CONFIG, RECIPES, make_model
 from orchestrator import host_probe, plan
+from orchestrator import preflight
 from orchestrator import recipe as R
 from orchestrator.gpu import NullReader
 from orchestrator.types import GpuInfo, GpuSnapshot
@@ -121,7 +122,7 @@ def test_plan_uses_first_free_port(write_recipe, listening):
     (NullReader().snapshot(), False, "gpu.check = false"),
 ])
 def test_check_gpus(write_recipe, snap, ok, fragment):
-    c = plan.check_gpus(R.load(write_recipe()), snap)
+    c = preflight.check_gpus(R.load(write_recipe()), snap)
     assert c.ok is ok and fragment in c.detail and c.name == "gpus"
 
 
@@ -136,12 +137,12 @@ def test_check_gpus(write_recipe, snap, ok, fragment):
     ("0,x", False, "'x' is neither a GPU index nor a GPU UUID"),
 ])
 def test_check_gpus_cuda_visible_devices(write_recipe, visible, ok, fragment):
-    c = plan.check_gpus(R.load(write_recipe(env={"vars": {"CUDA_VISIBLE_DEVICES": visible}})), gpus(16))
+    c = preflight.check_gpus(R.load(write_recipe(env={"vars": {"CUDA_VISIBLE_DEVICES": visible}})), gpus(16))
     assert (c.ok, c.fatal) == (ok, True) and fragment in c.detail, c.detail
 
 
 def test_check_gpus_mig_ignored_when_checks_are_off(write_recipe):
-    c = plan.check_gpus(R.load(write_recipe(gpu={"check": False}, env={"vars": {"CUDA_VISIBLE_DEVICES": "MIG-1"}})),
+    c = preflight.check_gpus(R.load(write_recipe(gpu={"check": False}, env={"vars": {"CUDA_VISIBLE_DEVICES": "MIG-1"}})),
                         NullReader().snapshot())
     assert c.ok is True and c.fatal is False
 
@@ -156,13 +157,13 @@ def executable(path, mode: int = 0o755):
 
 @pytest.mark.parametrize("backend", ["megatron", "swift"])
 def test_check_trainer_default_executable(write_recipe, backend):
-    c = plan.check_trainer(R.load(write_recipe(run={"backend": backend}, parallel={"nproc_per_node": 1, "expert": 1})))
+    c = preflight.check_trainer(R.load(write_recipe(run={"backend": backend}, parallel={"nproc_per_node": 1, "expert": 1})))
     assert c.ok is True and c.name == "trainer" and c.fatal is True, c.detail  # installed next to this interpreter
 
 
 def test_check_trainer_absolute_entrypoint(write_recipe, tmp_path):
     exe = executable(tmp_path / "train.sh")
-    c = plan.check_trainer(R.load(write_recipe(run={"entrypoint": [exe, "--flag"]})))
+    c = preflight.check_trainer(R.load(write_recipe(run={"entrypoint": [exe, "--flag"]})))
     assert c.ok is True and c.detail == exe
 
 
@@ -172,21 +173,21 @@ def test_check_trainer_absolute_entrypoint(write_recipe, tmp_path):
     (["./relative-missing"], "'./relative-missing'"),
 ])
 def test_check_trainer_missing_entrypoint(write_recipe, entrypoint, fragment):
-    c = plan.check_trainer(R.load(write_recipe(run={"entrypoint": entrypoint})))
+    c = preflight.check_trainer(R.load(write_recipe(run={"entrypoint": entrypoint})))
     assert (c.ok, c.fatal, c.name) == (False, True, "trainer") and fragment in c.detail, c.detail
     assert "give an existing executable" in c.detail
 
 
 def test_check_trainer_not_executable(write_recipe, tmp_path):
     exe = executable(tmp_path / "train.sh", 0o644)
-    assert plan.check_trainer(R.load(write_recipe(run={"entrypoint": [exe]}))).ok is False
+    assert preflight.check_trainer(R.load(write_recipe(run={"entrypoint": [exe]}))).ok is False
 
 
 def test_check_trainer_on_the_recipes_path(write_recipe, tmp_path):
     """A bare name is looked up on the trainer's PATH when the recipe sets one, as Popen does."""
     (tmp_path / "bin").mkdir()
     exe = executable(tmp_path / "bin" / "my-trainer")
-    c = plan.check_trainer(R.load(write_recipe(run={"entrypoint": ["my-trainer"]},
+    c = preflight.check_trainer(R.load(write_recipe(run={"entrypoint": ["my-trainer"]},
                                                env={"vars": {"PATH": str(tmp_path / "bin")}})))
     assert c.ok is True and c.detail == f"my-trainer -> {exe}"
 
@@ -195,27 +196,27 @@ def test_check_trainer_relative_to_output_dir(write_recipe, tmp_path):
     """The trainer starts in output_dir, so a relative entrypoint is found there."""
     (tmp_path / "out").mkdir()
     executable(tmp_path / "out" / "train.sh")
-    assert plan.check_trainer(R.load(write_recipe(run={"entrypoint": ["./train.sh"]}))).ok is True
+    assert preflight.check_trainer(R.load(write_recipe(run={"entrypoint": ["./train.sh"]}))).ok is True
 
 
 def test_check_trainer_default_missing_names_the_fix(write_recipe, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(plan.launcher.sys, "executable", str(tmp_path / "python"))  # no swift/megatron beside it
-    c = plan.check_trainer(R.load(write_recipe()))
+    monkeypatch.setattr(preflight.launcher.sys, "executable", str(tmp_path / "python"))  # no swift/megatron beside it
+    c = preflight.check_trainer(R.load(write_recipe()))
     assert c.ok is False and "'megatron' (the megatron trainer)" in c.detail and "set run.entrypoint" in c.detail
 
 
 # --- ports ---------------------------------------------------------------------------------------
 
 def test_check_port_busy(write_recipe, listening):
-    c = plan.check_port(R.load(write_recipe(supervisor={"port_range": [listening, listening]})))
+    c = preflight.check_port(R.load(write_recipe(supervisor={"port_range": [listening, listening]})))
     assert c.ok is False and f"{listening}-{listening}" in c.detail and c.name == "rendezvous_port"
 
 
 def test_check_port_skips_busy(write_recipe, listening):
     if not host_probe.port_free(listening + 1):
         pytest.skip("neighbouring port busy too")
-    c = plan.check_port(R.load(write_recipe(supervisor={"port_range": [listening, listening + 1]})))
+    c = preflight.check_port(R.load(write_recipe(supervisor={"port_range": [listening, listening + 1]})))
     assert c.ok is True and c.detail.startswith(f"{listening + 1} free")
 
 
@@ -229,12 +230,12 @@ def test_check_port_skips_busy(write_recipe, listening):
 ])
 def test_check_model(write_recipe, tmp_path, config, weights, ok, fragment):
     make_model(tmp_path / "m", config, weights)
-    c = plan.check_model(R.load(write_recipe(model={"path": "m", "num_experts": 16})))
+    c = preflight.check_model(R.load(write_recipe(model={"path": "m", "num_experts": 16})))
     assert c.ok is ok and fragment in c.detail and c.name == "model"
 
 
 def test_check_model_missing_dir(write_recipe):
-    c = plan.check_model(R.load(write_recipe(model={"path": "/nonexistent/model", "num_experts": 16})))
+    c = preflight.check_model(R.load(write_recipe(model={"path": "/nonexistent/model", "num_experts": 16})))
     assert c.ok is False and "/nonexistent/model" in c.detail
 
 
@@ -247,7 +248,7 @@ def test_check_model_missing_dir(write_recipe):
     (["/abs/missing.jsonl#100"], [], False, "/abs/missing.jsonl#100"),
 ])
 def test_check_data(write_recipe, dataset, val, ok, fragment):
-    c = plan.check_data(R.load(write_recipe(data={"dataset": dataset, "val_dataset": val})))
+    c = preflight.check_data(R.load(write_recipe(data={"dataset": dataset, "val_dataset": val})))
     assert c.ok is ok and fragment in c.detail and c.name == "dataset"
 
 
@@ -259,13 +260,13 @@ def test_check_data(write_recipe, dataset, val, ok, fragment):
     ({"model": {"path": "/nonexistent/model", "num_experts": 64}}, True, True),
 ])
 def test_check_layout(write_recipe, sections, ep_ok, ep_fatal):
-    ep, gbs = plan.check_layout(R.load(write_recipe(**sections)))
+    ep, gbs = preflight.check_layout(R.load(write_recipe(**sections)))
     assert (ep.name, ep.ok, ep.fatal) == ("experts_divisible_by_ep", ep_ok, ep_fatal)
     assert gbs.ok is True and "DP 8" in gbs.detail
 
 
 def test_preflight_names(write_recipe):
-    names = [c.name for c in plan.preflight(R.load(write_recipe()), gpus(8))]
+    names = [c.name for c in preflight.checks(R.load(write_recipe()), gpus(8))]
     assert names == ["model", "dataset", "disk:output_dir", "disk:persistent_dir", "gpus", "rendezvous_port",
                      "experts_divisible_by_ep", "global_batch_divisible", "trainer"]
 

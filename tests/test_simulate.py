@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from orchestrator import preflight
 from orchestrator import simulate as S
 from orchestrator import simulate_report as R
 from orchestrator.recipe import SupervisorSection
@@ -209,7 +210,7 @@ def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
     from orchestrator import plan, storage
     from orchestrator.recipe import load
     r = load(next(p for p in RECIPES if p.name.startswith("qwen3.5-397b")))
-    cfg, total = plan.model_config(r)
+    cfg, total = preflight.model_config(r)
     b = storage.budget(r, cfg, total)
     assert r.checkpoint.merge == "final"
     assert sum(b.per_save_bytes.values()) == R.ORCH_SAVE_BYTES and b.final_merged_bytes == R.MERGED_BYTES

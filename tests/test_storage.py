@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from conftest import MODEL_CONFIG, RECIPES, make_model
 from orchestrator import estimate as E
 from orchestrator import host_probe, plan, storage
+from orchestrator import preflight
 from orchestrator import recipe as R
 from orchestrator.cli import main
 from orchestrator.estimate import known_config
@@ -204,8 +205,8 @@ def test_held_bytes_counts_checkpoints_only(tmp_path):
     (tmp_path / "logging.jsonl").write_bytes(os.urandom(MIB))
     (tmp_path / "checkpoint-20").mkdir()  # a published copy hard-links unchanged files: counted once
     os.link(tmp_path / "checkpoint-10" / "a.safetensors", tmp_path / "checkpoint-20" / "a.safetensors")
-    assert 4 * MIB <= plan.held_bytes(str(tmp_path)) < 5 * MIB
-    assert plan.held_bytes(str(tmp_path / "absent")) == 0
+    assert 4 * MIB <= host_probe.held_bytes(str(tmp_path)) < 5 * MIB
+    assert host_probe.held_bytes(str(tmp_path / "absent")) == 0
 
 
 def test_check_storage_messages(write_recipe):
@@ -214,11 +215,11 @@ def test_check_storage_messages(write_recipe):
                               420 * GIB, 440 * GIB, 18.0, "x", 1800.0, 0.0)
     disks = {"output_dir": {"path": r.run.output_dir, "free_bytes": 300 * GIB, "held_bytes": 20 * GIB},
              "persistent_dir": {"path": r.run.persistent_dir, "free_bytes": 500 * GIB, "held_bytes": 0}}
-    out, pub = plan.check_storage(r, b, disks)
+    out, pub = preflight.check_storage(r, b, disks)
     assert (out.name, out.ok, out.fatal) == ("disk:output_dir", False, True)
     for fragment in ("retention needs 420.0 GiB", "300.0 GiB free + 20.0 GiB in this run's checkpoints",
                      "lower checkpoint.keep_local (now 2)", 'checkpoint.merge = "final"', "checkpoint.save_steps",
-                     f"(disk {plan.mount_point(r.run.output_dir)})"):
+                     f"(disk {host_probe.mount_point(r.run.output_dir)})"):
         assert fragment in out.detail, fragment
     assert (pub.name, pub.ok, pub.fatal) == ("disk:persistent_dir", True, True)
 
@@ -226,7 +227,7 @@ def test_check_storage_messages(write_recipe):
 @pytest.mark.parametrize("speed,ok", [(None, False), (100 * MIB, False), (1000 * MIB, True)])
 def test_check_publish_is_a_warning(speed, ok):
     r = R.load(R397, ['checkpoint.merge="every_save"'])
-    c = plan.check_publish(r, storage.budget(r, known_config(r.model.path)), speed, "probe failed")
+    c = preflight.check_publish(r, storage.budget(r, known_config(r.model.path)), speed, "probe failed")
     assert (c.name, c.ok, c.fatal) == ("publish_throughput", ok, False)
     assert "needs 520 MiB/s" in c.detail and ("raise checkpoint.save_steps" in c.detail) is not ok
 
@@ -259,14 +260,14 @@ def test_fatal_check_on_a_small_filesystem(tmpfs, write_recipe, tmp_path):
     # every_save: 3 checkpoints + 2 merged copies of 24 MiB = 48+ MiB; default keep_local drops to 1 to fit
     # 1 kept + 1 being written (2 x 24 MiB + adapters) in 64 MiB
     r = R.load(sized_recipe(write_recipe, tmp_path, tmpfs / "out", "every_save"))
-    b, disks = plan.storage_budget(r)
+    b, disks = preflight.storage_budget(r)
     assert (b.keep_local, b.keep_local_source) == (1, "budget")
-    assert by_name(plan.check_storage(r, b, disks))["disk:output_dir"].ok
+    assert by_name(preflight.check_storage(r, b, disks))["disk:output_dir"].ok
     # keep_local = 3 kept by the recipe cannot fit: 4 saves of 25.5 MiB (merged 24 MiB + adapter 80,896 x 2 B,
     # shards 62,464 x 14 B, RNG 8 x 64 KiB = 106,905,600 B / 4; no persistent_dir, so the merged copies stay
     # with their checkpoints)
     r = R.load(sized_recipe(write_recipe, tmp_path, tmpfs / "out", "every_save"), ["checkpoint.keep_local=3"])
-    c = by_name(plan.preflight(r, plan.gpu.NullReader().snapshot()))["disk:output_dir"]
+    c = by_name(preflight.checks(r, plan.gpu.NullReader().snapshot()))["disk:output_dir"]
     assert (c.ok, c.fatal) == (False, True)
     assert f"(disk {tmpfs})" in c.detail and "retention needs 102.0 MiB" in c.detail and "64.0 MiB free" in c.detail
     assert "lower checkpoint.keep_local (now 3)" in c.detail and 'checkpoint.merge = "final"' in c.detail
@@ -278,9 +279,9 @@ def test_checkpoints_already_held_count_as_room(tmpfs, write_recipe, tmp_path):
     r = R.load(sized_recipe(write_recipe, tmp_path, out, "every_save"), ["checkpoint.keep_local=1"])
     (out / "checkpoint-4-merged").mkdir(parents=True)
     (out / "checkpoint-4-merged" / "model.safetensors").write_bytes(b"\1" * (40 * MIB))
-    b, disks = plan.storage_budget(r)
+    b, disks = preflight.storage_budget(r)
     assert disks["output_dir"]["free_bytes"] < b.local_bytes  # free alone would not do
-    assert by_name(plan.check_storage(r, b, disks))["disk:output_dir"].ok
+    assert by_name(preflight.check_storage(r, b, disks))["disk:output_dir"].ok
 
 
 def test_run_refuses_with_exit_2_when_storage_cannot_fit(tmpfs, write_recipe, tmp_path):
