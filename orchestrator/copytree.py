@@ -28,7 +28,7 @@ from orchestrator.tailhash import TailHasher
 
 PARALLEL_MIN_BYTES = 64 << 20   # files this large are copied by the threads, not rsync
 COPY_WORKERS = 4                # threads for them: hashing is CPU-bound, so a few beyond the cores keep the disk busy
-CHUNK = 8 << 20
+CHUNK = 1 << 20
 FLUSH_EVERY = 256 << 20         # fdatasync behind the writes, so little is left to write back at the end
 PARTIAL_SUFFIX = ".orch-partial"  # `.<name>.orch-partial`: not rsync's `.<name>.XXXXXX`, so tailhash ignores it
 
@@ -149,9 +149,11 @@ def _copy_large(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: P
         raise
 
 
-def _copy_one(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: Path | None, cancel: _Either) -> tuple[int, tuple[tuple[int, int, int, int], str] | None]:
-    """One file: skipped when in place, hard-linked from link_dest when unchanged there, else read, hashed,
-    written to a temp name, fsynced and renamed. Returns (bytes copied, (stamp, sha256) or None)."""
+def _copy_one(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: Path | None,
+              cancel: _Either) -> tuple[int, tuple[tuple[int, int, int, int], str] | None]:
+    """One file: skipped when in place, hard-linked from link_dest when unchanged there, else copied to a
+    temp name, hashed and flushed behind the copy, fsynced and renamed. Returns (bytes copied,
+    (stamp, sha256 of the copy) or None)."""
     target = dst / rel
     tmp = _temp_of(target)
     tmp.unlink(missing_ok=True)  # a killed attempt's
@@ -161,25 +163,13 @@ def _copy_one(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: Pat
     if link_dest is not None and same_file(st, link_dest / rel) and _try_link(link_dest / rel, tmp):
         os.replace(tmp, target)
         return 0, None
-    h, buf = hashlib.sha256(), memoryview(bytearray(CHUNK))
     fin = os.open(src / rel, os.O_RDONLY)
     try:
         fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            done = flushed = 0
-            while n := os.readv(fin, [buf]):
-                if cancel.is_set():
-                    raise OSError("cancelled")
-                h.update(buf[:n])
-                view = buf[:n]
-                while view:
-                    view = view[os.write(fout, view):]
-                done += n
-                if done - flushed >= FLUSH_EVERY:
-                    os.fdatasync(fout)
-                    flushed = done
+            done, digest = _send_and_hash(fin, fout, tmp, st.st_size, cancel)
             if done != st.st_size:
-                raise OSError(f"{src / rel}: {done} bytes read, {st.st_size} expected (changed during the copy)")
+                raise OSError(f"{src / rel}: {done} bytes copied, {st.st_size} expected (changed during the copy)")
             os.chmod(fout, st.st_mode & 0o7777)
             if os.geteuid() == 0:
                 os.chown(fout, st.st_uid, st.st_gid)  # as rsync -a does for root
@@ -191,7 +181,56 @@ def _copy_one(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: Pat
     finally:
         os.close(fin)
     os.replace(tmp, target)
-    return done, ((got.st_dev, got.st_ino, got.st_size, got.st_mtime_ns), h.hexdigest())
+    return done, ((got.st_dev, got.st_ino, got.st_size, got.st_mtime_ns), digest)
+
+
+def _send_and_hash(fin: int, fout: int, tmp: Path, size: int, cancel: _Either) -> tuple[int, str]:
+    """Copy fin to fout in the kernel (sendfile: no user-space copy, through the page cache) in a helper
+    thread, while this one reads back what it has written, hashes it and flushes it behind."""
+    cond, state = threading.Condition(), {"written": 0, "end": False, "error": None}
+
+    def send() -> None:
+        try:
+            while not cancel.is_set() and (n := os.sendfile(fout, fin, state["written"], CHUNK)):
+                with cond:
+                    state["written"] += n
+                    cond.notify()
+        except BaseException as e:  # handed to the hashing thread, which raises it
+            state["error"] = e
+        finally:
+            with cond:
+                state["end"] = True
+                cond.notify()
+
+    sender = threading.Thread(target=send, name="copy-send", daemon=True)
+    sender.start()
+    h, buf, pos, flushed = hashlib.sha256(), memoryview(bytearray(CHUNK)), 0, 0
+    back = os.open(tmp, os.O_RDONLY)
+    try:
+        while True:
+            with cond:
+                while state["written"] == pos and not state["end"]:
+                    cond.wait()
+                written, end = state["written"], state["end"]
+            if cancel.is_set():
+                raise OSError("cancelled")
+            while pos < written:  # the copy's bytes, read back from the page cache
+                n = os.preadv(back, [buf[:min(CHUNK, written - pos)]], pos)
+                if n == 0:
+                    raise OSError(f"{tmp}: shorter than the {written} bytes written to it")
+                h.update(buf[:n])
+                pos += n
+            if pos - flushed >= FLUSH_EVERY:
+                os.fdatasync(fout)
+                flushed = pos
+            if end and pos == state["written"]:
+                break
+    finally:
+        os.close(back)
+        sender.join()
+    if state["error"] is not None:
+        raise state["error"]
+    return pos, h.hexdigest()
 
 
 def _try_link(a: Path, b: Path) -> bool:
