@@ -1,9 +1,18 @@
-"""Benchmark: publishing a checkpoint with sync_once vs plain `rsync -a`, and re-syncing an unchanged tree.
+"""Benchmark: publishing a checkpoint with sync_once vs the best of `rsync -a` and a parallel copy of the
+same tree, and re-syncing an unchanged tree.
 
-    python bench/bench_sync.py [--size-mib 1024] [--files 1000] [--dir DIR] [--json]
+    python bench/bench_sync.py [--size-mib 5632] [--files 1000] [--dir DIR] [--json]
 
-sync_once does more than rsync: it fsyncs every file and checks the copy's sha256 against the manifest. Both
-run behind rsync's writes (orchestrator/tailhash.py), so the issue's target (>= 0.9x plain rsync) holds.
+The checkpoint looks like a real one: `--size-mib` in large shards (2, 1.5, 1, 1, ... GiB, as a model's
+safetensors or mcore's per-rank .distcp files), plus `--files` small files and an adapter. The baselines:
+`rsync -a` of the tree, and a parallel copy (one `cp -a` per large file, at most COPY_WORKERS at once, beside
+one `rsync -a` of everything else); each also with `sync -f` after it, for what durability costs them.
+sync_once does more than either: it fsyncs every file and checks the copy's sha256 against the manifest
+(the hash is taken while the bytes are copied: copytree's threads for large files, tailhash behind rsync for
+the rest). The target: sync_once >= 0.9x the best baseline without fsync. Every run starts with the source in
+the page cache and nothing dirty (os.sync); rounds rotate the order and keep each method's best. On a
+machine where sha256 over all cores is slower than the copy (2 cores here), no publish that hashes every
+byte can reach the target; the last ratio row, publish vs hashing alone, shows how close it comes.
 `run()` returns rows {name, measured, unit, target, pass}.
 """
 from __future__ import annotations
@@ -17,20 +26,32 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from safetensors.numpy import save_file
 
+from orchestrator import copytree
 from orchestrator import manifest as mf
 from orchestrator import sync
 
 MIB = 1 << 20
+SHARD_MIB = (2048, 1536, 1024, 1024)  # then 1024 each: a few large shards, like a real checkpoint's
+
+
+def shard_sizes(size_bytes: int) -> list[int]:
+    sizes, left, i = [], size_bytes, 0
+    while left > 0:
+        sizes.append(min(left, (SHARD_MIB[i] if i < len(SHARD_MIB) else 1024) * MIB))
+        left -= sizes[-1]
+        i += 1
+    return sizes
 
 
 def make_checkpoint(out: Path, step: int, size_bytes: int, files: int = 0) -> Path:
-    """A swift checkpoint: adapter + config + trainer_state, `size_bytes` of optimizer state, `files` small files."""
+    """A swift checkpoint: adapter + config + trainer_state, `size_bytes` in large shards, `files` small files."""
     d = out / f"checkpoint-{step}"
     d.mkdir(parents=True)
     save_file({f"layers.{i}.lora_{ab}.weight": np.ones((64, 64), np.float32) for i in range(4) for ab in "AB"},
@@ -38,11 +59,13 @@ def make_checkpoint(out: Path, step: int, size_bytes: int, files: int = 0) -> Pa
     (d / "adapter_config.json").write_text(json.dumps({"r": 64, "lora_alpha": 128, "target_modules": "all-linear"}))
     (d / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
     block = os.urandom(64 * MIB)  # incompressible; repeating it costs rsync and sha256 the same
-    with open(d / "optimizer.pt", "wb") as f:
-        left = size_bytes
-        while left > 0:
-            f.write(block[:min(left, len(block))])
-            left -= len(block)
+    sizes = shard_sizes(size_bytes)
+    for k, size in enumerate(sizes):
+        with open(d / f"__{k}_0.distcp", "wb") as f:  # named like mcore's shards (random bytes: no header)
+            left = size
+            while left > 0:
+                f.write(block[:min(left, len(block))])
+                left -= len(block)
     for i in range(files):
         sub = d / "shards" / f"{i // 100:02d}"
         sub.mkdir(parents=True, exist_ok=True)
@@ -57,49 +80,76 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def run(size_mib: int = 1024, files: int = 1000, workdir: str | None = None, repeat: int = 5,
+def run(size_mib: int = 5632, files: int = 1000, workdir: str | None = None, repeat: int = 5,
         rounds: int = 3) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
-        src = make_checkpoint(tmp / "out", 100, size_mib * MIB)
-        mib = sum((src / r).stat().st_size for r in mf.list_files(src)) / MIB
+        src = make_checkpoint(tmp / "out", 100, size_mib * MIB, files=files)
+        rels = mf.list_files(src)
+        mib = sum((src / r).stat().st_size for r in rels) / MIB
+        large = [r for r in rels if (src / r).stat().st_size >= copytree.PARALLEL_MIN_BYTES]
         t_manifest = _timed(lambda: mf.write_manifest(src, 100, "bench"))  # once per checkpoint, at verification
 
-        def plain(dst: Path) -> None:
+        def rsync_a(dst: Path) -> None:
             subprocess.run(["rsync", "-a", f"{src}/", f"{dst}/"], check=True)
 
-        def plain_fsync(dst: Path) -> None:
-            subprocess.run(["sh", "-c", 'rsync -a "$1/" "$2/" && sync -f "$2"', "-", str(src), str(dst)], check=True)
+        def parallel_cp(dst: Path) -> None:
+            """One `cp -a` per large file (COPY_WORKERS at a time) beside one `rsync -a` of the rest."""
+            for r in large:
+                (dst / r).parent.mkdir(parents=True, exist_ok=True)
+            rest = subprocess.Popen(["rsync", "-a", *(f"--exclude=/{r}" for r in large), f"{src}/", f"{dst}/"])
+            with ThreadPoolExecutor(copytree.COPY_WORKERS) as pool:
+                list(pool.map(lambda r: subprocess.run(["cp", "-a", str(src / r), str(dst / r)], check=True), large))
+            assert rest.wait() == 0
+
+        def durable(copy):
+            def run_and_sync(dst: Path) -> None:
+                copy(dst)
+                subprocess.run(["sync", "-f", str(dst)], check=True)
+            return run_and_sync
 
         def publish(dst: Path) -> None:
             r = sync.sync_once(tmp / "out", dst, "swift", "bench")
             assert r.ok and r.copied == ("checkpoint-100",), r
 
-        runs = {"plain": plain, "plain_fsync": plain_fsync, "publish": publish}
+        runs = {"rsync": rsync_a, "parallel": parallel_cp, "rsync_fsync": durable(rsync_a),
+                "parallel_fsync": durable(parallel_cp), "publish": publish}
         if not shutil.which("rsync"):
-            del runs["plain"], runs["plain_fsync"]
+            runs = {"publish": publish}
         times: dict[str, list[float]] = {k: [] for k in runs}
         for i in range(rounds):  # rotate the order and keep the best: the disk here is shared and noisy,
             order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]  # and whatever runs second
             for k in order:                                                    # pays for the first's writeback
                 times[k].append(_timed(lambda k=k: runs[k](tmp / f"dst-{k}")))
                 shutil.rmtree(tmp / f"dst-{k}")
-        plain, plain_fsync, publish = (times.get(k, [float("nan")]) for k in ("plain", "plain_fsync", "publish"))
-        t_sync = min(publish)
-        t_rsync, t_rsync_f = (min(plain), min(plain_fsync)) if plain else (float("nan"),) * 2
-        ratio = t_rsync / t_sync
+        best = {k: min(v) for k, v in times.items()}
+        nan = float("nan")
+        base = min((best[k], k) for k in ("rsync", "parallel")) if "rsync" in best else (nan, "none")
+        base_f = min((best[k], k) for k in ("rsync_fsync", "parallel_fsync")) if "rsync" in best else (nan, "none")
+        ratio, ratio_f = base[0] / best["publish"], base_f[0] / best["publish"]
         info = {"target": "-", "pass": True}
+        what = f"{mib:,.0f} MiB: {len(large)} shards of {min(shard_sizes(size_mib * MIB)) // MIB}-" \
+               f"{max(shard_sizes(size_mib * MIB)) // MIB} MiB + {len(rels) - len(large)} small files"
+        label = {"rsync": "rsync -a", "parallel": f"parallel copy ({copytree.COPY_WORKERS} x cp -a + rsync -a)",
+                 "rsync_fsync": "rsync -a + sync -f", "parallel_fsync": "parallel copy + sync -f"}
+        rows.append({"name": f"write_manifest (sha256 of {mib:,.0f} MiB)", "measured": round(mib / t_manifest),
+                     "unit": "MiB/s", **info})
+        for k in label:
+            if k in best:
+                rows.append({"name": f"{label[k]}, {what}", "measured": round(mib / best[k]), "unit": "MiB/s",
+                             **info})
         rows += [
-            {"name": f"write_manifest (sha256 of {mib:.0f} MiB)", "measured": round(mib / t_manifest),
-             "unit": "MiB/s", **info},
-            {"name": f"rsync -a, {mib:.0f} MiB", "measured": round(mib / t_rsync), "unit": "MiB/s", **info},
-            {"name": f"rsync -a + sync -f, {mib:.0f} MiB", "measured": round(mib / t_rsync_f), "unit": "MiB/s",
-             **info},
-            {"name": f"sync_once publish, {mib:.0f} MiB (fsync + sha256 of copy)", "measured": round(mib / t_sync),
-             "unit": "MiB/s", **info},
-            {"name": "sync_once / rsync -a throughput", "measured": round(ratio, 2), "unit": "x",
-             "target": ">= 0.9", "pass": ratio >= 0.9},
+            {"name": f"sync_once publish, {what} (fsync + sha256 of copy)",
+             "measured": round(mib / best["publish"]), "unit": "MiB/s", **info},
+            {"name": f"sync_once / best baseline throughput ({label.get(base[1], base[1])}, best of {rounds})",
+             "measured": round(ratio, 2), "unit": "x", "target": ">= 0.9",
+             "pass": bool(ratio >= 0.9) if ratio == ratio else True},
+            {"name": f"sync_once / best baseline with sync -f ({label.get(base_f[1], base_f[1])})",
+             "measured": round(ratio_f, 2), "unit": "x", **info},
+            # the ceiling a publish that hashes every byte meets when sha256, not the disk, is the bottleneck
+            {"name": "sync_once / sha256 alone (write_manifest, 4 threads) throughput",
+             "measured": round(t_manifest / best["publish"], 2), "unit": "x", **info},
         ]
         shutil.rmtree(tmp / "out")
 
@@ -121,12 +171,13 @@ def run(size_mib: int = 1024, files: int = 1000, workdir: str | None = None, rep
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-mib", type=int, default=1024, help="optimizer state size (4096 for the 4 GB case)")
+    ap.add_argument("--size-mib", type=int, default=5632, help="bytes in large shards (2, 1.5, 1, 1, 1... GiB)")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--files", type=int, default=1000)
     ap.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    rows = run(a.size_mib, a.files, a.dir)
+    rows = run(a.size_mib, a.files, a.dir, rounds=a.rounds)
     from run_all import print_table  # bench/ is on sys.path: this file's own folder
     print(json.dumps(rows, indent=1)) if a.json else print_table(rows)
     return 0 if all(r["pass"] for r in rows) else 1

@@ -5,8 +5,8 @@ under run.persistent_dir). A copy there whose manifest names another recipe hash
 pruned or restored: it is reported and left alone.
 
 Publication is atomic: copy into `<persistent>/.partial-<name>/`, fsync, verify the copy against the manifest
-(sizes + sha256; copytree hashes and flushes each file behind rsync's writes, so both cost little beyond the
-copy), then rename to `<persistent>/<name>`. Only `.partial-*` names are ever incomplete. A staging
+(sizes + sha256; copytree hashes and flushes each file as it is written: large files by a few threads
+beside rsync, the rest behind rsync's writes, so both cost little beyond the copy), then rename to `<persistent>/<name>`. Only `.partial-*` names are ever incomplete. A staging
 dir left by a killed sync is reused (rsync skips files already there), so a retry resumes file by file.
 """
 from __future__ import annotations

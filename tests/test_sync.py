@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoints import make_megatron, make_merged, make_swift
 
 from orchestrator import checkpoints as ck
+from orchestrator import copytree
 from orchestrator import manifest as mf
 from orchestrator import sync
 
@@ -27,13 +28,16 @@ HAS_RSYNC = sync.shutil.which("rsync") is not None
 needs_rsync = pytest.mark.skipif(not HAS_RSYNC, reason="rsync not installed (apt-get install -y rsync)")
 
 
-@pytest.fixture(params=["rsync", "python"])
+@pytest.fixture(params=["rsync", "python", "parallel"])
 def copier(request, monkeypatch):
-    """Run a test with rsync and with the pure-Python fallback."""
-    if request.param == "rsync" and not HAS_RSYNC:
+    """Run a test with rsync, with the pure-Python fallback, and with every file copied by copytree's
+    threads beside rsync (the path of a real checkpoint's multi-GiB shards)."""
+    if request.param in ("rsync", "parallel") and not HAS_RSYNC:
         pytest.skip("rsync not installed")
     if request.param == "python":
         monkeypatch.setattr(sync.shutil, "which", lambda name, *a, **k: None)
+    if request.param == "parallel":
+        monkeypatch.setattr(copytree, "PARALLEL_MIN_BYTES", 1)
     return request.param
 
 

@@ -110,3 +110,77 @@ def test_a_failed_copy_does_not_wait_for_hashing(tmp_path):
             wait_until(lambda: opened_by_us(big))
             raise OSError("rsync exit 20: cancelled")
     assert hasher.digests() == {} and not opened_by_us(big)
+
+
+# --- large files copied by copytree's threads beside rsync ------------------------------------------
+
+@pytest.fixture
+def threads_copy(monkeypatch):
+    """Files of 1 MiB and more go to copytree's threads (real checkpoints: shards of 64 MiB and more)."""
+    monkeypatch.setattr(copytree, "PARALLEL_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(copytree, "CHUNK", 256 << 10)
+
+
+def test_threads_copy_large_files_hash_them_once_and_clear_a_killed_attempt(tmp_path, monkeypatch, threads_copy):
+    out, pers = tmp_path / "out", tmp_path / "pers"
+    d = make_swift(out, 10, big=3 << 20)  # optimizer.pt and rng_state.pth go to the threads
+    mf.write_manifest(d, 10, "h")
+    staging = pers / ".partial-checkpoint-10"
+    staging.mkdir(parents=True)
+    (staging / ".optimizer.pt.orch-partial").write_bytes(b"half")  # a killed attempt's, thread and rsync
+    (staging / ".scheduler.pt.Ab12Cd").write_bytes(b"half")
+    (staging / "stray").write_bytes(b"x")
+    hashed, by_threads = [], []
+    real, real_copy = mf._hash_all, copytree._copy_one
+    monkeypatch.setattr(mf, "_hash_all", lambda paths: hashed.extend(paths) or real(paths))
+    monkeypatch.setattr(copytree, "_copy_one", lambda src, dst, rel, *a: by_threads.append(rel) or
+                        real_copy(src, dst, rel, *a))
+    r = sync.sync_once(out, pers, "swift", "h")
+    assert r.ok and r.copied == ("checkpoint-10",)
+    assert sorted(by_threads) == ["optimizer.pt", "rng_state.pth"]
+    assert r.bytes_copied == sum(f["size"] for f in mf.read_manifest(d)["files"])
+    pub = pers / "checkpoint-10"
+    # the threads' digests are the publish check's: the large files are not read a second time
+    assert not {"optimizer.pt", "rng_state.pth"} & {Path(p).name for p in hashed}
+    assert mf.list_files(pub) == mf.list_files(d)  # leftovers gone, nothing extra
+    assert mf.manifest_matches(pub, mf.read_manifest(d)) == []
+    for rel in ("optimizer.pt", "rng_state.pth"):  # as rsync -a: same mtime and mode, so the next round skips
+        a, b = (d / rel).stat(), (pub / rel).stat()
+        assert (a.st_mtime_ns, a.st_mode) == (b.st_mtime_ns, b.st_mode)
+    assert sync.sync_once(out, pers, "swift", "h").copied == ()
+    make_swift(out, 20, big=3 << 20)
+    (out / "checkpoint-20" / "optimizer.pt").write_bytes((d / "optimizer.pt").read_bytes())
+    st = (d / "optimizer.pt").stat()
+    os.utime(out / "checkpoint-20" / "optimizer.pt", ns=(st.st_atime_ns, st.st_mtime_ns))
+    r = sync.sync_once(out, pers, "swift", "h")  # unchanged large file: hard-linked, as rsync --link-dest does
+    assert r.ok and r.copied == ("checkpoint-20",)
+    assert (pers / "checkpoint-20" / "optimizer.pt").stat().st_ino == (pub / "optimizer.pt").stat().st_ino
+
+
+def test_a_failing_thread_fails_the_copy_with_its_own_error(tmp_path, monkeypatch, threads_copy):
+    out, pers = tmp_path / "out", tmp_path / "pers"
+    make_swift(out, 10, big=3 << 20)
+    real_sendfile = os.sendfile
+
+    def full_disk(out_fd, in_fd, offset, count):
+        if offset >= 1 << 20:  # a full disk part-way through a large file
+            raise OSError(28, "No space left on device")
+        return real_sendfile(out_fd, in_fd, offset, count)
+    monkeypatch.setattr(copytree.os, "sendfile", full_disk)
+    r = sync.sync_once(out, pers, "swift", "h")
+    assert not r.ok and "No space left on device" in r.problems[0], r.problems
+    assert not (pers / "checkpoint-10").exists()
+    assert not (pers / ".partial-checkpoint-10").exists()  # ENOSPC: the space is wanted back
+
+
+def test_cancel_stops_the_threads_mid_file(tmp_path, threads_copy):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    with open(src / "big.bin", "wb") as f:
+        f.truncate(8 << 30)  # sparse: 8 GiB to read, far longer than the test takes
+    cancel = __import__("threading").Event()
+    cancel.set()
+    t = time.monotonic()
+    with pytest.raises(OSError, match="cancelled"):
+        copytree.copy_tree(src, dst, ["big.bin"], None, (), None, None, cancel)
+    assert time.monotonic() - t < 10 and not (dst / "big.bin").exists()
