@@ -2,7 +2,7 @@
 
     python bench/bench_side_by_side.py [--quick] [--steps 200] [--seed 13] [--json]
 
-The real `swift sft` demo (orchestrator/tiny.py's tiny Qwen3-MoE, orchestrator/data/demo-cpu.toml) trains
+The real `swift sft` demo (orchestrator/ops/tiny.py's tiny Qwen3-MoE, orchestrator/data/demo-cpu.toml) trains
 `steps` steps (global batch 1: ~0.6 s a step on
 2 shared cores) under one seeded fault schedule: SIGKILLs of the whole trainer at three random steps and one
 SIGSTOP hang. Each fault fires once, when the run first reaches its step (so both runs meet the same
@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import psutil  # noqa: E402
 
 from orchestrator import launcher  # noqa: E402
-from orchestrator.recipe import load  # noqa: E402
-from orchestrator.render.command import render_command  # noqa: E402
+from orchestrator.config.recipe import load  # noqa: E402
+from orchestrator.config.render.command import render_command  # noqa: E402
 from orchestrator.supervisor import Supervisor  # noqa: E402
 from orchestrator.types import ExitCode  # noqa: E402
 from supervised import FAKE, events, free_port_range  # noqa: E402
@@ -184,7 +184,7 @@ def run(quick: bool = False, steps: int | None = None, seed: int = 13, workdir: 
         make_model(Path(model["model"]))
         Path(model["data"]).write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     else:
-        from orchestrator import tiny
+        from orchestrator.ops import tiny
         model = tiny.build(work / "tiny")
     results: dict[str, dict] = {}
     try:

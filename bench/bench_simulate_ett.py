@@ -2,11 +2,11 @@
 
     python bench/simulate_ett.py [--seeds 200] [--json]
 
-A seeded discrete-event simulation (orchestrator/simulate.py: the model, its parameters and what each
+A seeded discrete-event simulation (orchestrator/domain/simulate.py: the model, its parameters and what each
 loop does) of a 20,000-step run (100 h of training at 18 s/step, a checkpoint every 100 steps, 8 min
 from launch to the first step), run to completion by each loop over the same seeds. ETT ratio =
 productive time (the 100 h of kept steps) / wall time. The orchestrator uses the real policy
-(orchestrator.policy.decide with the SupervisorSection defaults: wait_s 90, nccl_settle_s 30,
+(orchestrator.domain.policy.decide with the SupervisorSection defaults: wait_s 90, nccl_settle_s 30,
 hang_timeout_s 1800, grace_s 30, force_wait_s 120, max_crashes_per_hour 3,
 max_relaunches_without_progress 3); a give-up (exit 3) costs 2 h until a person restarts it.
 
@@ -48,7 +48,7 @@ wait for a person (0.34 per 100-h run). In the harsh mix, hangs, repeated cold-s
 GPUs and repeated port collisions cost the plain loop half its time (ETT 0.49 vs 0.72).
 The table printed by the script is the source of truth; these lines are copied from its last run.
 
-Issue 13, saves priced (`orchestrator simulate`, orchestrator/simulate_report.py; inputs stated in the
+Issue 13, saves priced (`orchestrator simulate`, orchestrator/domain/simulate_report.py; inputs stated in the
 output): the shipped 397B recipe's 173.9 GiB per save (+ one 739.5 GiB merged export at the end) for the
 orchestrator with save_steps auto, verified-ready relaunch 5 s, start-up 480 s every time; the field's
 913.4 GiB merged save every 100 steps and `sleep 90` for the plain loop; both at 1 GiB/s. 200 seeds:
@@ -65,8 +65,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator import simulate as S  # noqa: E402
-from orchestrator import simulate_report as R  # noqa: E402
+from orchestrator.domain import simulate as S  # noqa: E402
+from orchestrator.domain import simulate_report as R  # noqa: E402
 
 QUICK = {"seeds": 5}
 LABEL = {"checkpoint": "checkpoint writes", "startup": "startup", "lost_progress": "lost progress", "hang": "hang",

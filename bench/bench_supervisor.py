@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import psutil  # noqa: E402
 
 from orchestrator import supervisor as supmod  # noqa: E402
-from orchestrator.recipe import load  # noqa: E402
+from orchestrator.config.recipe import load  # noqa: E402
 from orchestrator.types import ExitCode  # noqa: E402
 from supervised import FAKE, events, fake_recipe  # noqa: E402
 
@@ -283,8 +283,8 @@ def _big_save_crash(work: Path, size: int) -> float:
 FIRST_VERIFY = textwrap.dedent('''\
     import sys, time
     import orchestrator.supervisor  # everything the supervisor has imported when it finds its first checkpoint
-    from orchestrator import checkpoints
-    from orchestrator import manifest
+    from orchestrator.store import checkpoints
+    from orchestrator.store import manifest
     times = []
     for _ in range(2):
         t = time.perf_counter()
@@ -343,9 +343,9 @@ def bench_recovery(crashes: int, runs: int, variants: bool, earlier: int = 100, 
 def _earlier_attempt(out: Path, steps: int, save_steps: int, recipe: Path, *overrides: str) -> None:
     """Checkpoints left by an earlier attempt under an earlier supervisor: the fake trainer run directly at
     full speed, then each checkpoint given the manifest that supervisor would have written."""
-    from orchestrator import checkpoints
-    from orchestrator.manifest import write_manifest
-    from orchestrator.recipe import recipe_hash
+    from orchestrator.store import checkpoints
+    from orchestrator.store.manifest import write_manifest
+    from orchestrator.config.recipe import recipe_hash
     env = {**os.environ, "FAKE_STEP_S": "0", "FAKE_STARTUP_S": "0"}
     subprocess.run([sys.executable, FAKE, "sft", "--output_dir", str(out), "--train_iters", str(steps),
                     "--save_steps", str(save_steps), "--logging_steps", "1"], env=env, check=True,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator import checkpoints as ck
+from orchestrator.store import checkpoints as ck
 
 TARGET_MS = 50.0
 

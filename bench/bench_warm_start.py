@@ -5,7 +5,7 @@
 Before each start the caches are dropped: `echo 3 > /proc/sys/vm/drop_caches` where this process may
 (root on a host); where it may not (a container: /proc/sys is read-only), the model's own files are
 evicted with posix_fadvise(DONTNEED), which needs no privilege, and the row says so. "warm" then runs
-the supervisor's warm-up (orchestrator/pagecache.py, as LocalHost.warm_page_cache does during the wait
+the supervisor's warm-up (orchestrator/host/pagecache.py, as LocalHost.warm_page_cache does during the wait
 before a relaunch) to its end before launching; "cold" launches at once. Both take the second start's
 path (--load_from_cache_file true with the datasets cache already built, as a relaunch finds it).
 Reported: median cold / median warm launch -> first step (> 1 = the warm-up saves time).
@@ -28,9 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from orchestrator import launcher, pagecache  # noqa: E402
-from orchestrator.recipe import load  # noqa: E402
-from orchestrator.render.command import render_command  # noqa: E402
+from orchestrator import pagecache  # noqa: E402
+from orchestrator.host.launch import local as launcher
+from orchestrator.config.recipe import load  # noqa: E402
+from orchestrator.config.render.command import render_command  # noqa: E402
 
 QUICK = {"quick": True}
 DEMO = REPO / "orchestrator" / "data" / "demo-cpu.toml"
@@ -83,7 +84,7 @@ def run(quick: bool = False, repeat: int = 2, workdir: str | None = None) -> lis
             (Path(model["model"]) / "model.safetensors").write_bytes(os.urandom(1 << 20))
             Path(model["data"]).write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
         else:
-            from orchestrator import tiny
+            from orchestrator.ops import tiny
             model = tiny.build(work / "tiny")
         over = [f"model.path={json.dumps(model['model'])}", f"data.dataset=[{json.dumps(model['data'])}]",
                 f"run.output_dir={json.dumps(str(work / 'out'))}", "optim.iterations=3",

@@ -10,10 +10,13 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrator import estimate, gpu, launcher, storage
-from orchestrator.host_probe import exists, first_free_port, free_bytes, held_bytes, mount_point
-from orchestrator.recipe import Recipe, expert_count, read_model_config
-from orchestrator.render.command import render_command
+from orchestrator.config import estimate
+from orchestrator.host import gpu
+from orchestrator.host.launch import local as launcher
+from orchestrator.domain import storage
+from orchestrator.host.probe import exists, first_free_port, free_bytes, held_bytes, mount_point
+from orchestrator.config.recipe import Recipe, expert_count, read_model_config
+from orchestrator.config.render.command import render_command
 from orchestrator.types import Check, GpuSnapshot
 
 GIB = 1024**3

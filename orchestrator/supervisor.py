@@ -34,24 +34,30 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from orchestrator import classify, gpu, interval, pagecache, policy, preflight, verdict
-from orchestrator.host import Host
-from orchestrator.host_probe import first_free_port
-from orchestrator.journal import Journal, journal_path
-from orchestrator.launcher import LaunchError
-from orchestrator.metrics import Metrics
-from orchestrator.node_history import NodeHistory
-from orchestrator.notify import Heartbeat, Notifier
-from orchestrator.published import PublishLock
-from orchestrator.recipe import Recipe, RecipeError, recipe_hash, semantic_view
-from orchestrator.render.command import render_command
-from orchestrator.render.export import render_export
-from orchestrator.goodput import goodput_of
-from orchestrator.run_checkpoints import RunCheckpoints
-from orchestrator.rundir import RunLock, place, run_id, state_dir
-from orchestrator.sidecar import Sidecar
-from orchestrator.slurm_host import host_for
-from orchestrator.spot import from_recipe as spot_notice
+from orchestrator import preflight
+from orchestrator.domain import classify
+from orchestrator.host import gpu
+from orchestrator.domain import interval
+from orchestrator.host import pagecache
+from orchestrator.domain import policy
+from orchestrator.domain import verdict
+from orchestrator.host.base import Host
+from orchestrator.host.probe import first_free_port
+from orchestrator.host.journal import Journal, journal_path
+from orchestrator.host.launch.local import LaunchError
+from orchestrator.host.metrics import Metrics
+from orchestrator.host.node_history import NodeHistory
+from orchestrator.host.notify import Heartbeat, Notifier
+from orchestrator.store.published import PublishLock
+from orchestrator.config.recipe import Recipe, RecipeError, recipe_hash, semantic_view
+from orchestrator.config.render.command import render_command
+from orchestrator.config.render.export import render_export
+from orchestrator.domain.goodput import goodput_of
+from orchestrator.store.tracker import CheckpointTracker
+from orchestrator.store.rundir import RunLock, place, run_id, state_dir
+from orchestrator.store.publisher import Publisher
+from orchestrator.host.slurm_host import host_for
+from orchestrator.host.spot import from_recipe as spot_notice
 from orchestrator.types import (TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode, GpuSnapshot,
                                 Phase, Resume, State)
 from orchestrator.watch import AttemptWatch
@@ -88,8 +94,8 @@ class Supervisor:
         self.metrics_port: int | None = None
         self.echoed_at = self.goodput_at = self.last_scan = float("-inf")  # monotonic times of the last report
         self.journal: Journal | None = None   # set in preflight, with the lock, checkpoints and the sync sidecar
-        self.checkpoints: RunCheckpoints | None = None
-        self.sidecar: Sidecar | None = None
+        self.checkpoints: CheckpointTracker | None = None
+        self.sidecar: Publisher | None = None
         self.lock: RunLock | None = None
         self.publish_lock: PublishLock | None = None
         if install_signals:
@@ -171,12 +177,13 @@ class Supervisor:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
         # the sidecar starts below, after any quarantine, so it never publishes a poisoned checkpoint
-        self.checkpoints = RunCheckpoints(r, self.hash, self.out, self.journal, self.metrics,
+        self.checkpoints = CheckpointTracker(r, self.hash, self.out, self.journal, self.metrics,
                                           on_saved=lambda: self.sidecar.trigger())
+        self.sidecar = Publisher(r, self.hash, self.journal, self.metrics)
         previous = self.journal.get_all()
         pending = previous.get("nan_pending")
         if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
-            self.checkpoints.quarantine(pending["step"], pending["attempt"])
+            self._quarantine(pending["step"], pending["attempt"])
         earlier = self.journal.attempts()
         self.attempts_before = earlier[-1].n if earlier else 0  # attempt numbers continue the journal's
         self.history = policy.rebuild_history(earlier, {c["step"] for c in self.journal.checkpoints() if c["ok"]})
@@ -193,7 +200,6 @@ class Supervisor:
                 self.journal.event("metrics", f"cannot listen on {r.metrics.listen}: {e}")
         self.journal.put(recipe_hash=self.hash, semantic_view=semantic_view(r), run=r.run.name,
                          backend=r.run.backend, output_dir=str(self.out), supervisor_pid=os.getpid())
-        self.sidecar = Sidecar(r, self.hash, self.journal, self.metrics)
         self.sidecar.start()
         self.notifier.ready(f"preflight ok, recipe {self.hash[:12]}")
         if previous.get("state") == State.COMPLETED.value and previous.get("recipe_hash") == self.hash:
@@ -443,7 +449,7 @@ class Supervisor:
             self.journal.event("cleanup", f"SIGKILLed {len(killed)} process(es) that ignored SIGTERM", pids=killed)
         self._finish_attempt(a.crash)
         if a.crash.cls is CrashClass.NAN_LOSS and a.bad_step is not None:
-            self.checkpoints.quarantine(a.bad_step, a.n)
+            self._quarantine(a.bad_step, a.n)
         self.journal.span(started, self.host.now(), "cleanup")
         if a.decision.action is Action.GIVE_UP:
             self.exit_reason = a.decision.reason
@@ -556,6 +562,11 @@ class Supervisor:
                 self.notifier.status(f"restoring: {copied / GIB:.1f} GiB copied")
         best = self.sidecar.finish_restore()
         return self.checkpoints.resume_from(best) if best else None
+
+    def _quarantine(self, nan_step: int, attempt_n: int) -> None:
+        """Published copies first (a restore must never take one), then the local ones (clears nan_pending)."""
+        self.sidecar.quarantine(nan_step, attempt_n)
+        self.checkpoints.quarantine(nan_step, attempt_n)
 
     def _launch_state(self) -> State:
         return State.RELAUNCHING if self.attempt else State.LAUNCHING

@@ -244,7 +244,7 @@ class Alert(StrEnum):
     DISK_FULL = "disk_full"                        # supervisor: waiting for free space
 
 
-# ---- system evidence: what the machine said about a failed attempt (orchestrator/evidence.py reads it) ----
+# ---- system evidence: what the machine said about a failed attempt (orchestrator/host/evidence.py reads it) ----
 @dataclass(frozen=True)
 class OomKill:
     """A kernel record of the OOM killer killing one of the run's processes."""

@@ -75,13 +75,13 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from supervised import fake_recipe, wait_for  # noqa: E402
 
-from orchestrator import checkpoints as ck  # noqa: E402
-from orchestrator import manifest as mf  # noqa: E402
-from orchestrator.journal import Journal, journal_path  # noqa: E402
-from orchestrator.launcher import RUN_MARKER  # noqa: E402
-from orchestrator.published import publish_dir  # noqa: E402
-from orchestrator.recipe import load, recipe_hash  # noqa: E402
-from orchestrator.rundir import run_id, state_dir  # noqa: E402
+from orchestrator.store import checkpoints as ck  # noqa: E402
+from orchestrator.store import manifest as mf  # noqa: E402
+from orchestrator.host.journal import Journal, journal_path  # noqa: E402
+from orchestrator.host.launch.local import RUN_MARKER  # noqa: E402
+from orchestrator.store.published import publish_dir  # noqa: E402
+from orchestrator.config.recipe import load, recipe_hash  # noqa: E402
+from orchestrator.store.rundir import run_id, state_dir  # noqa: E402
 from orchestrator.types import Attempt, CrashClass as C, ExitCode  # noqa: E402
 
 HERE = Path(__file__).resolve()
@@ -1069,8 +1069,8 @@ def soak(cfg: Config, workdir: Path) -> Report:
 
 def sync_worker(recipe: str, bwlimit: int, deadline_s: float = 120) -> None:
     """Publish with sync.sync_once(bwlimit_kib=...) until killed: what the harness interrupts mid-copy."""
-    from orchestrator import sync
-    from orchestrator.sidecar import _sync_args
+    from orchestrator.store import sync
+    from orchestrator.store.publisher import _sync_args
     r = load(Path(recipe))
     args = _sync_args(r, recipe_hash(r))
     end = time.monotonic() + deadline_s

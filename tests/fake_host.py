@@ -1,4 +1,4 @@
-"""An in-memory Host (orchestrator/host.py) with a fake clock, for table tests of the state machine.
+"""An in-memory Host (orchestrator/host/base.py) with a fake clock, for table tests of the state machine.
 
 Nothing runs and no time passes except what the loop asks for: a wait advances the fake clock. A
 test scripts the world: what a trainer writes and when it exits (`FakeTrainer`), GPU holders, taken

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 from conftest import merge, write_recipe
-from orchestrator.journal import Journal, journal_path
-from orchestrator.published import publish_dir
-from orchestrator.recipe import load, recipe_hash
-from orchestrator.rundir import state_dir
+from orchestrator.host.journal import Journal, journal_path
+from orchestrator.store.published import publish_dir
+from orchestrator.config.recipe import load, recipe_hash
+from orchestrator.store.rundir import state_dir
 
 FAKE = str(Path(__file__).with_name("fake_trainer.py"))
 REPO = Path(__file__).resolve().parents[1]

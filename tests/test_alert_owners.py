@@ -9,10 +9,10 @@ import pytest
 from supervised import write_recipe
 from test_checkpoints import make_megatron
 
-from orchestrator.journal import Journal
-from orchestrator.metrics import Metrics
-from orchestrator.recipe import load
-from orchestrator.run_checkpoints import RunCheckpoints
+from orchestrator.host.journal import Journal
+from orchestrator.host.metrics import Metrics
+from orchestrator.config.recipe import load
+from orchestrator.store.tracker import CheckpointTracker
 
 STUB = b'{"__metadata__": {"format": "pt"}}'  # a header and no tensors: complete, fails verification
 
@@ -33,7 +33,7 @@ def tracked(tmp_path: Path):
     out.mkdir()
     metrics = Metrics()
     journal = Journal(tmp_path / "journal.sqlite")
-    rc = RunCheckpoints(recipe, "hash", out, journal, metrics, on_saved=lambda: None)
+    rc = CheckpointTracker(recipe, "hash", out, journal, metrics, on_saved=lambda: None)
     yield out, rc, metrics
     rc.close()
 

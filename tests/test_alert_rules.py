@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.metrics import RAISED_BY_SUPERVISOR, Metrics
+from orchestrator.host.metrics import RAISED_BY_SUPERVISOR, Metrics
 from orchestrator.types import Alert, CrashClass, GpuInfo, GpuSnapshot, State
 from prom import ALERT_RULES as ALERTS
 from prom import firing, needs_prometheus, poll, query, running_prometheus

@@ -106,8 +106,8 @@ def test_nan_logged_just_before_a_crash_is_not_resumed_past(tmp_path):
 
 
 def test_nan_quarantine_survives_a_supervisor_killed_before_it(tmp_path, monkeypatch):
-    from orchestrator.recipe import load
-    from orchestrator.run_checkpoints import RunCheckpoints
+    from orchestrator.config.recipe import load
+    from orchestrator.store.tracker import CheckpointTracker
     from orchestrator.supervisor import Supervisor
 
     recipe = fake_recipe(tmp_path, iterations=200, faults="nan_loss@19", supervisor={"poll_s": 0.5})
@@ -115,7 +115,7 @@ def test_nan_quarantine_survives_a_supervisor_killed_before_it(tmp_path, monkeyp
     def killed(self, *args):
         raise _Killed()
 
-    monkeypatch.setattr(RunCheckpoints, "quarantine", killed)
+    monkeypatch.setattr(CheckpointTracker, "quarantine", killed)
     with pytest.raises(_Killed):
         Supervisor(load(recipe), install_signals=False).run()
     monkeypatch.undo()
@@ -131,8 +131,8 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
     """Found by the soak: a supervisor killed between starting the trainer and writing its row left an orphan
     whose output its successor appended to the log of an attempt with the same number (a start-up
     cold_start_oom was classified oom_during_training from the orphan's steps)."""
-    from orchestrator import launcher
-    from orchestrator.recipe import load
+    from orchestrator.host.launch import local as launcher
+    from orchestrator.config.recipe import load
     from orchestrator.supervisor import Supervisor
 
     recipe = fake_recipe(tmp_path, iterations=40, faults="fla_backward_oom@15,cold_start_oom@21",
@@ -166,13 +166,13 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
 
 
 def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path, monkeypatch):
-    from orchestrator import sync
+    from orchestrator.store import sync
 
     recipe = fake_recipe(tmp_path, iterations=30)
     final = tmp_path / "out" / "checkpoint-30" / "latest_checkpointed_iteration.txt"
     lock = published_at(recipe) / ".orchestrator-sync.lock"
     held, final_round, lock_held_at_final_round = threading.Event(), threading.Event(), []
-    real_open_lock = sync._open_lock
+    real_open_lock = sync.open_lock
 
     def open_lock(persistent, wait_s=0.0):
         if wait_s > 0:  # the final round, the only one that waits for the lock
@@ -185,7 +185,7 @@ def test_final_sync_waits_for_a_sync_lock_held_briefly(tmp_path, monkeypatch):
             final_round.set()
         return real_open_lock(persistent, wait_s)
 
-    monkeypatch.setattr(sync, "_open_lock", open_lock)
+    monkeypatch.setattr(sync, "open_lock", open_lock)
 
     def hold_like_an_orphaned_rsync():  # the lock from the final save until the final sync is waiting for it
         assert wait_for(final.exists, 60)
@@ -216,8 +216,8 @@ def _try_flock(fd: int) -> bool:
 
 
 def test_checkpoint_cut_short_after_a_nan_quarantine_is_not_resumed_from(tmp_path, monkeypatch):
-    from orchestrator import launcher
-    from orchestrator.recipe import load
+    from orchestrator.host.launch import local as launcher
+    from orchestrator.config.recipe import load
     from orchestrator.supervisor import Supervisor
 
     recipe = fake_recipe(tmp_path, iterations=100, faults="nan_loss@15", supervisor={"poll_s": 0.5})

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from orchestrator import checkpoints as ck
-from orchestrator import manifest as mf
-from orchestrator.checkpoints import LoraExpect
+from orchestrator.store import checkpoints as ck
+from orchestrator.store import manifest as mf
+from orchestrator.store.checkpoints import LoraExpect
 from orchestrator.types import CheckpointInfo
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -467,7 +467,7 @@ def test_the_other_backends_checkpoint_is_named_first(tmp_path, make, kind, othe
 def test_verify_command_prints_the_step_of_a_renamed_copy(tmp_path, write_recipe):
     from click.testing import CliRunner
 
-    from orchestrator.cli import main
+    from orchestrator.ops.cli import main
 
     copy = make_swift(tmp_path / "out", 30).rename(tmp_path / "adapter-copy")
     res = CliRunner().invoke(main, ["verify", str(copy)])

@@ -1,4 +1,4 @@
-"""Table-driven tests for orchestrator.classify: real labelled logs, own fixtures, conflicts, prefixes, phase."""
+"""Table-driven tests for orchestrator.domain.classify: real labelled logs, own fixtures, conflicts, prefixes, phase."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.classify import (
+from orchestrator.domain.classify import (
     _COMPILED,
     _CONDITIONS,
     RULES,

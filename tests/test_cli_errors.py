@@ -6,7 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from orchestrator.cli import main
+from orchestrator.ops.cli import main
 
 RUNNABLE = ["run.entrypoint=['/bin/true']", "gpu.check=false", "supervisor.min_free_gib=0"]
 

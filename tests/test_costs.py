@@ -1,9 +1,9 @@
-"""What saves and starts cost (orchestrator/costs.py): table tests of the pure measurements."""
+"""What saves and starts cost (orchestrator/domain/costs.py): table tests of the pure measurements."""
 from __future__ import annotations
 
 import pytest
 
-from orchestrator import costs
+from orchestrator.domain import costs
 
 
 @pytest.mark.parametrize("line, step", [

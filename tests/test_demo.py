@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 
-from orchestrator import demo
-from orchestrator.checkpoints import verify_merged
-from orchestrator.goodput import goodput_of
-from orchestrator.recipe import load, recipe_hash
+from orchestrator.ops import demo
+from orchestrator.store.checkpoints import verify_merged
+from orchestrator.domain.goodput import goodput_of
+from orchestrator.config.recipe import load, recipe_hash
 from supervised import cli, free_port_range, journal
 
-PACKAGED = Path(demo.__file__).with_name("data") / "demo-cpu.toml"
+PACKAGED = Path(demo.__file__).parents[1] / "data" / "demo-cpu.toml"
 
 
 @pytest.mark.parametrize("value", ["plain", 'quote " and \\ back', "ünïcode\ttab", 1, -3, 0.0001, 2.5e20, True,

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from supervised import attempts, events, fake_recipe, wait_for
-from orchestrator.recipe import load
+from orchestrator.config.recipe import load
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import Action, CrashClass, ExitCode, State
 

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from supervised import wait_for
 from test_isolation import assert_copies_are_the_runs, snapshot
 
-from orchestrator.published import copies_in, publish_dir
-from orchestrator.recipe import load, recipe_hash
+from orchestrator.store.published import copies_in, publish_dir
+from orchestrator.config.recipe import load, recipe_hash
 from supervised import attempts, cli, free_port_range, logged_steps
 
 pytestmark = [pytest.mark.swift,
@@ -28,7 +28,7 @@ STEPS = 40
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from orchestrator import tiny
+    from orchestrator.ops import tiny
 
     return tiny.build(tmp_path_factory.mktemp("tiny"))
 

@@ -7,11 +7,12 @@ import importlib.util
 
 import pytest
 
-from orchestrator import checkpoints, manifest
-from orchestrator.journal import Journal, journal_path
-from orchestrator.published import publish_dir
-from orchestrator.recipe import recipe_hash
-from orchestrator.rundir import state_dir
+from orchestrator.store import checkpoints
+from orchestrator.store import manifest
+from orchestrator.host.journal import Journal, journal_path
+from orchestrator.store.published import publish_dir
+from orchestrator.config.recipe import recipe_hash
+from orchestrator.store.rundir import state_dir
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import ExitCode
 from test_e2e_swift import recipe, tiny  # noqa: F401 (tiny: the module fixture)

@@ -12,18 +12,17 @@ import importlib.util
 import json
 import signal
 import socket
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from orchestrator import launcher
-from orchestrator.gpu import NullReader
-from orchestrator.host import LocalHost
-from orchestrator.demo import inject_kill
-from orchestrator.published import publish_dir
-from orchestrator.recipe import load
+from orchestrator.host.launch import local as launcher
+from orchestrator.host.gpu import NullReader
+from orchestrator.host.base import LocalHost
+from orchestrator.ops.demo import inject_kill
+from orchestrator.store.published import publish_dir
+from orchestrator.config.recipe import load
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import CrashClass, ExitCode, State
 from supervised import attempts, events, free_port_range
@@ -36,7 +35,7 @@ DEMO = Path(__file__).resolve().parents[1] / "orchestrator" / "data" / "demo-cpu
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from orchestrator import tiny
+    from orchestrator.ops import tiny
 
     return tiny.build(tmp_path_factory.mktemp("tiny"))
 

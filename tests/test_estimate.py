@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import MINIMAL, ROOT, merge
-from orchestrator import estimate as E
-from orchestrator import plan
-from orchestrator import recipe as R
+from orchestrator.config import estimate as E
+from orchestrator.ops import plan
+from orchestrator.config import recipe as R
 from orchestrator.types import GpuSnapshot
 
 # Qwen3-30B-A3B config.json (the keys that matter): 30.5B parameters in total.
@@ -353,7 +353,7 @@ FIELD_GIB = 132.91
 def test_field_run_within_5_percent(tmp_path):
     from click.testing import CliRunner
 
-    from orchestrator.cli import main
+    from orchestrator.ops.cli import main
 
     args = ["plan", str(ROOT / "recipes" / "qwen3.5-397b-a17b-lora-ep8.toml"), "--json", "--set", "gpu.check=false"]
     for s in FIELD_SETTINGS:
@@ -371,7 +371,7 @@ def test_field_run_within_5_percent(tmp_path):
 def test_plan_text_lists_every_term_and_the_margin():
     from click.testing import CliRunner
 
-    from orchestrator.cli import main
+    from orchestrator.ops.cli import main
 
     res = CliRunner().invoke(main, ["plan", str(ROOT / "recipes" / "qwen3.5-397b-a17b-lora-ep8.toml"),
                                     "--set", "gpu.check=false"])

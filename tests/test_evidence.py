@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import evidence, gpu
-from orchestrator.evidence import AttemptEvidence, KernelLine, NvmlWatch, kernel_lines, oom_kills, parse_kmsg_record
-from orchestrator.host import LocalHost
+from orchestrator.host import evidence
+from orchestrator.host import gpu
+from orchestrator.host.evidence import AttemptEvidence, KernelLine, kernel_lines, oom_kills, parse_kmsg_record
+from orchestrator.host.base import LocalHost
 from orchestrator.types import Command, CrashClass, Phase
-from orchestrator.verdict import NO_OOM_RECORD, classify_attempt
+from orchestrator.domain.verdict import NO_OOM_RECORD, classify_attempt
 from test_disk_full import fill, small_disk  # noqa: F401 (a fixture)
 
 V1_MEMORY = Path("/sys/fs/cgroup/memory")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import flags
-from orchestrator.flags import KNOWN, MANAGED, REPLACEMENTS, check_extra_arg, check_flag
+from orchestrator.config import flags
+from orchestrator.config.flags import KNOWN, MANAGED, REPLACEMENTS, check_extra_arg, check_flag
 
 ROOT = Path(__file__).resolve().parent.parent
 SWIFT_INSTALLED = importlib.util.find_spec("swift") is not None and importlib.util.find_spec("transformers") is not None

@@ -14,8 +14,8 @@ derandomized search, so CI sees the same cases every run):
                    edits (so that a fair share of the cases load); `--set` overrides.
   text mutations   byte edits of the TOML text (delete/insert/duplicate/truncate, non-UTF-8 bytes).
 
-`test_fuzz_load` (1,000 cases) calls orchestrator.recipe.load() in-process and, for the recipes that
-load, orchestrator.plan.plan(). Pass: a Recipe (and a JSON-serialisable plan), or a RecipeError whose
+`test_fuzz_load` (1,000 cases) calls orchestrator.config.recipe.load() in-process and, for the recipes that
+load, orchestrator.ops.plan.plan(). Pass: a Recipe (and a JSON-serialisable plan), or a RecipeError whose
 message is one line, starts with the file's path, and - unless the TOML itself does not parse - starts
 with the dotted key or section of the first problem (an override error starts with `--set '<item>'`).
 Any other exception fails the test. `test_fuzz_cli` sends 50 further cases through the real CLI in
@@ -48,11 +48,11 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from conftest import MINIMAL, MODEL_CONFIG, RECIPES, ROOT, make_model
-from orchestrator.plan import plan as make_plan
-from orchestrator import flags as F
-from orchestrator.recipe import Recipe, RecipeError, apply_overrides, load
-from orchestrator.render.command import rendering_problems
-from orchestrator import flags as F
+from orchestrator.ops.plan import plan as make_plan
+from orchestrator.config import flags as F
+from orchestrator.config.recipe import Recipe, RecipeError, apply_overrides, load
+from orchestrator.config.render.command import rendering_problems
+from orchestrator.config import flags as F
 from orchestrator.types import GpuSnapshot
 
 N_LOAD = 1000
@@ -639,7 +639,7 @@ def test_fuzz_cli(tmp_path):
     assert len(results) >= N_CLI
 
 
-# --- what the fuzzer found (fixed in orchestrator/recipe.py): each one was a traceback or a two-line error ---
+# --- what the fuzzer found (fixed in orchestrator/config/recipe.py): each one was a traceback or a two-line error ---
 
 FOUND = [
     # (id, TOML text appended to / replacing parts of the minimal recipe, overrides, fragments of the message)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from orchestrator.goodput import LOST_CAUSES, AttemptTimes, Span, account, attempt_spans, summarize
+from orchestrator.domain.goodput import LOST_CAUSES, AttemptTimes, Span, account, attempt_spans, summarize
 
 A = AttemptTimes
 
@@ -116,7 +116,7 @@ def crashed_and_resumed(tmp_path, *, saved_at: bool = True):
     """The demo's crash in a journal: attempt 1 trains from T+10, saves checkpoint-10 at T+14 and
     checkpoint-20 at T+19 and is SIGKILLed at T+20.5 (step 26); the scan verifies both only after the
     exit. Attempt 2 resumes from checkpoint-20 and completes."""
-    from orchestrator.journal import Journal
+    from orchestrator.host.journal import Journal
     from orchestrator.types import Attempt, CrashClass
 
     j = Journal(tmp_path / "journal.sqlite")
@@ -132,7 +132,7 @@ def crashed_and_resumed(tmp_path, *, saved_at: bool = True):
 
 
 def test_work_after_the_kept_checkpoint_is_lost_from_its_save_time(tmp_path):
-    from orchestrator.goodput import goodput_of
+    from orchestrator.domain.goodput import goodput_of
 
     j = crashed_and_resumed(tmp_path)
     g = goodput_of(j, now=T + 100)
@@ -144,7 +144,7 @@ def test_work_after_the_kept_checkpoint_is_lost_from_its_save_time(tmp_path):
 
 
 def test_a_journal_without_saved_at_falls_back_to_the_verification_time(tmp_path):
-    from orchestrator.goodput import goodput_of
+    from orchestrator.domain.goodput import goodput_of
 
     j = crashed_and_resumed(tmp_path, saved_at=False)
     # all it can say: checkpoint-20 was verified after the exit, so nothing after it is known to be lost
@@ -154,7 +154,7 @@ def test_a_journal_without_saved_at_falls_back_to_the_verification_time(tmp_path
 def test_an_old_journal_gains_the_saved_at_column(tmp_path):
     import sqlite3
 
-    from orchestrator.journal import SCHEMA, Journal
+    from orchestrator.host.journal import SCHEMA, Journal
 
     path = tmp_path / "journal.sqlite"
     db = sqlite3.connect(path)
@@ -173,7 +173,7 @@ def test_an_old_journal_gains_the_saved_at_column(tmp_path):
     ("running", T + 41, T + 50),         # live: up to now
 ])
 def test_window_end(state, updated_at, end):
-    from orchestrator.goodput import Span, window_end
+    from orchestrator.domain.goodput import Span, window_end
     from orchestrator.types import Attempt
 
     attempts = [Attempt(1, T, ended_at=T + 20), Attempt(2, T + 21, ended_at=T + 38)]
@@ -185,8 +185,8 @@ def test_running_a_completed_run_again_adds_no_idle_time(tmp_path):
     """`orchestrator run` on a run that completed a day ago launches nothing; its goodput is unchanged."""
     import time
 
-    from orchestrator.goodput import goodput_of
-    from orchestrator.recipe import load
+    from orchestrator.domain.goodput import goodput_of
+    from orchestrator.config.recipe import load
     from orchestrator.supervisor import Supervisor
     from supervised import fake_recipe, journal, supervise
 
@@ -196,8 +196,8 @@ def test_running_a_completed_run_again_adds_no_idle_time(tmp_path):
     j = journal(tmp_path / "out")
     before = goodput_of(j)
     j.close()
-    from orchestrator.gpu import NullReader
-    from orchestrator.host import LocalHost
+    from orchestrator.host.gpu import NullReader
+    from orchestrator.host.base import LocalHost
 
     class DayLater(LocalHost):
         def now(self) -> float:

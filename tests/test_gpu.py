@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import gpu
-from orchestrator.gpu import MIB, GpuSelectionError, NullReader, NvmlReader, clear_verdict, holders, run_gpus
+from orchestrator.host import gpu
+from orchestrator.host.gpu import MIB, GpuSelectionError, NullReader, NvmlReader, clear_verdict, holders, run_gpus
 from orchestrator.types import GpuInfo, GpuProcess, GpuSnapshot
 
 GIB = 1024 * MIB

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from orchestrator.recipe import RecipeError, load
+from orchestrator.config.recipe import RecipeError, load
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import ExitCode, GpuInfo, GpuProcess, GpuSnapshot
 from supervised import attempts, events, fake_recipe, wait_for

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import host_probe
+from orchestrator.host import probe as host_probe
 
 
 def test_a_bound_port_is_not_free_and_is_skipped():

@@ -1,12 +1,12 @@
-"""checkpoint.save_steps = "auto" (orchestrator/interval.py, node_history.py): table tests of the chooser."""
+"""checkpoint.save_steps = "auto" (orchestrator/domain/interval.py, node_history.py): table tests of the chooser."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from orchestrator import interval as I
-from orchestrator.node_history import NodeHistory
+from orchestrator.domain import interval as I
+from orchestrator.host.node_history import NodeHistory
 from orchestrator.types import Attempt, CrashClass
 
 H = I.HOUR

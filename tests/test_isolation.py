@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_checkpoints import make_swift
 
-from orchestrator import manifest as mf
-from orchestrator import published as pb
-from orchestrator import sync
-from orchestrator.recipe import RecipeError, load, recipe_hash
+from orchestrator.store import manifest as mf
+from orchestrator.store import published as pb
+from orchestrator.store import sync
+from orchestrator.config.recipe import RecipeError, load, recipe_hash
 from orchestrator.types import ExitCode
 from supervised import attempts, cli, events, fake_recipe, journal, logged_steps, published_at, supervise, wait_for
 
@@ -216,7 +216,7 @@ def test_restore_prefers_the_publish_dir_and_says_which_copy_it_took(tmp_path):
 # ------------------------------------------------------------------------------------------ status / history
 
 def test_status_and_history_report_only_the_runs_own_copies(tmp_path):
-    from orchestrator import report
+    from orchestrator.ops import report
 
     recipe = fake_recipe(tmp_path, iterations=30, state=False)
     assert supervise(recipe)[0] == ExitCode.OK
@@ -239,3 +239,31 @@ def test_status_and_history_report_only_the_runs_own_copies(tmp_path):
         j.close()
     hb = cli("history", str(recipe), "--set", LR_B)
     assert hb.returncode == 0 and f"last synced step 30 in {published_at(recipe, LR_B)}" in hb.stdout
+
+
+def test_published_copies_from_a_nan_on_are_quarantined_and_never_restored(tmp_path):
+    """A checkpoint saved after a NaN may be published before the NaN is seen: quarantine renames the published
+    copy too, so a restore on a new machine never takes it."""
+    from orchestrator.host.journal import Journal, journal_path
+    from orchestrator.host.metrics import Metrics
+    from orchestrator.store.publisher import Publisher
+    from orchestrator.store.rundir import state_dir
+
+    recipe = fake_recipe(tmp_path, iterations=30, state=False)
+    assert supervise(recipe, "checkpoint.keep_local=5")[0] == ExitCode.OK
+    r = load(recipe)
+    j = Journal(journal_path(state_dir(tmp_path / "out")))
+    try:
+        pub = Publisher(r, recipe_hash(r), j, Metrics())
+        assert sorted(c.step for c in pub._published()) == [10, 20, 30]
+        assert pub.quarantine(20, 1) == ["checkpoint-20", "checkpoint-30"]
+        assert [c.step for c in pub._published()] == [10]
+        assert (published_at(recipe) / "checkpoint-30.nan-attempt-1").is_dir(), "the data stays for a person"
+        shutil.rmtree(tmp_path / "out" / "checkpoint-20")
+        shutil.rmtree(tmp_path / "out" / "checkpoint-30")
+        shutil.rmtree(tmp_path / "out" / "checkpoint-10")
+        pub.start_restore()
+        assert pub.restore_done.wait(60)
+        assert pub.finish_restore().step == 10
+    finally:
+        j.close()

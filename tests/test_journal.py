@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from orchestrator import journal as J
-from orchestrator.journal import Journal
+from orchestrator.host import journal as J
+from orchestrator.host.journal import Journal
 from orchestrator.types import Attempt
 
 

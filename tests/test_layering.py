@@ -1,11 +1,12 @@
 """Imports go downwards only: the package's modules form a DAG in layers, checked from the source.
 
-    domain        types
-    decisions     pure functions of data: recipe, render, progress, classify, policy, goodput, estimate, simulate, storage,
-                  costs, interval
-    world         side effects behind small interfaces: host, launcher, gpu, journal, checkpoints, sync, metrics, ...
-    loop          supervisor
-    operations    commands and presentation: cli, plan's printing, report, html_report, demo, service, tiny
+    types       the domain vocabulary (orchestrator/types.py), the root
+    config/     recipe, flag tables, rendering, memory and storage budgets: pure functions of the recipe
+    domain/     decisions: classify, policy, verdict, progress, goodput, retention, intervals, simulation
+    host/       the machine: Host protocol and LocalHost, launch (local, Slurm), GPUs, journal, metrics, evidence
+    store/      checkpoints and sync: discovery and verification, manifests, copying, publishing, tracking
+    loop        supervisor.py, watch.py, preflight.py
+    ops/        commands and presentation: cli, plan, report, html_report, demo, service, tiny
 
 A module imports from its own layer or below, never above (the supervisor never imports presentation
 code), and no two modules import each other, directly or through others.
@@ -18,15 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "orchestrator"
 LAYERS = {
-    "domain": {"types", "orchestrator"},   # the package itself: imports nothing
-    "decisions": {"recipe", "flags", "render", "progress", "classify", "policy", "goodput", "estimate", "simulate",
-                  "retention", "storage", "costs", "interval", "simulate_report", "verdict"},
-    "world": {"host", "launcher", "launch", "node_exec", "slurm_host", "preflight",
-              "gpu", "notify", "journal", "checkpoints", "manifest", "tailhash", "copytree",
-              "sync", "sidecar", "run_checkpoints", "rundir", "metrics", "spot", "watch", "plan", "host_probe",
-              "published", "shm", "pagecache", "node_history", "evidence"},
-    "loop": {"supervisor"},
-    "operations": {"cli", "report", "html_report", "demo", "service", "tiny", "__main__"},
+    "types": {"types", "orchestrator"},   # the package itself: imports nothing
+    "config": {"config"},
+    "domain": {"domain"},
+    "host": {"host"},
+    "store": {"store"},
+    "loop": {"supervisor", "watch", "preflight"},
+    "ops": {"ops", "__main__"},
 }
 ORDER = list(LAYERS)
 
@@ -106,6 +105,6 @@ def test_no_import_cycles():
 
 def test_recipe_imports_nothing_from_render():
     g = graph()
-    assert "orchestrator.recipe" in g["orchestrator.render.command"], "the test reads the imports it claims to"
-    for m in ("orchestrator.recipe", "orchestrator.flags"):
-        assert not {n for n in g[m] if n.startswith("orchestrator.render")}, f"{m} imports {g[m]}"
+    assert "orchestrator.config.recipe" in g["orchestrator.config.render.command"], "the test reads the imports it claims to"
+    for m in ("orchestrator.config.recipe", "orchestrator.config.flags"):
+        assert not {n for n in g[m] if n.startswith("orchestrator.config.render")}, f"{m} imports {g[m]}"

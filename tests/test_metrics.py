@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.goodput import LOST_CAUSES
-from orchestrator.metrics import RAISED_BY_SUPERVISOR, Metrics, parse_listen
+from orchestrator.domain.goodput import LOST_CAUSES
+from orchestrator.host.metrics import RAISED_BY_SUPERVISOR, Metrics, parse_listen
 from orchestrator.types import Alert, CrashClass, GpuInfo, GpuSnapshot, Progress, State
 
 REQUIRED = {

@@ -7,9 +7,7 @@ import os
 
 import pytest
 
-from orchestrator import launcher
-from orchestrator.journal import journal_path
-from orchestrator.rundir import state_dir
+from orchestrator.host.launch import local as launcher
 from orchestrator.types import Command, ExitCode
 from supervised import attempts, cli, fake_recipe
 

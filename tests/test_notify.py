@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from orchestrator.notify import Heartbeat, Notifier, child_env, socket_address, watchdog_interval_s
+from orchestrator.host.notify import Heartbeat, Notifier, child_env, socket_address, watchdog_interval_s
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_from_env_defaults_to_process_environment(monkeypatch, listener):
 
 def test_send_error_is_swallowed_and_warned_once(tmp_path, caplog):
     n = Notifier(str(tmp_path / "gone.sock"))
-    with caplog.at_level(logging.DEBUG, logger="orchestrator.notify"):
+    with caplog.at_level(logging.DEBUG, logger="orchestrator.host.notify"):
         assert n.ready() is False
         assert n.watchdog() is False
         assert n.status("x") is False

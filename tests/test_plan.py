@@ -7,10 +7,11 @@ import socket
 import pytest
 
 from conftest import MODEL_CONFIG, RECIPES, make_model
-from orchestrator import host_probe, plan
+from orchestrator.host import probe as host_probe
+from orchestrator.ops import plan
 from orchestrator import preflight
-from orchestrator import recipe as R
-from orchestrator.gpu import NullReader
+from orchestrator.config import recipe as R
+from orchestrator.host.gpu import NullReader
 from orchestrator.types import GpuInfo, GpuSnapshot
 
 GIB = 1024**3
@@ -306,8 +307,8 @@ def test_memory_unknown_model(write_recipe):
 # --- the save interval plan starts with (interval.py) ------------------------------------------
 @pytest.mark.parametrize("save_steps, mode", [(100, "fixed"), ("auto", "auto")])
 def test_plan_shows_the_save_interval(save_steps, mode, monkeypatch, tmp_path):
-    from orchestrator import node_history
-    from orchestrator.rundir import run_id
+    from orchestrator.host import node_history
+    from orchestrator.store.rundir import run_id
     r = R.load(next(p for p in RECIPES if p.name.startswith("qwen3.5-397b")))
     r = r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"save_steps": save_steps})})
     out = plan.plan(r, FakeReader(NO_DRIVER))  # not probed: the default write speed

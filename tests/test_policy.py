@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.policy import HOUR, History, crashes_last_hour, decide, hang_verdict, next_history, resume_verdict
-from orchestrator.recipe import SupervisorSection
-from orchestrator.metrics import RAISED_BY_SUPERVISOR
+from orchestrator.domain.policy import HOUR, History, crashes_last_hour, decide, hang_verdict, next_history, resume_verdict
+from orchestrator.config.recipe import SupervisorSection
+from orchestrator.host.metrics import RAISED_BY_SUPERVISOR
 from orchestrator.types import Action, Alert, Crash, CrashClass
 
 CFG = SupervisorSection()  # wait_s 90, nccl_settle_s 30, 3 crashes/hour, 3 relaunches without progress

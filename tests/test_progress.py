@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from orchestrator.progress import andon, from_record, is_bad_number, parse_jsonl_line, parse_line
+from orchestrator.domain.progress import andon, from_record, is_bad_number, parse_jsonl_line, parse_line
 from orchestrator.types import Progress
 
 NAN = float("nan")

@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from orchestrator import pagecache, shm
-from orchestrator.policy import READY_POLL_S, Readiness, readiness_verdict, settle_floor
-from orchestrator.recipe import SupervisorSection
+from orchestrator.host import pagecache
+from orchestrator.host import shm
+from orchestrator.domain.policy import READY_POLL_S, Readiness, readiness_verdict, settle_floor
+from orchestrator.config.recipe import SupervisorSection
 from orchestrator.types import CrashClass
 
 CLEAR = dict(leftovers=[], gpu_problems=[], shm_held={}, port_free=True)

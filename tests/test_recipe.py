@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DROP, MINIMAL, MODEL_CONFIG, RECIPES, ROOT, make_model, merge
-from orchestrator import recipe as R
-from orchestrator.recipe import RecipeError, apply_overrides, changed_keys, parse_override, recipe_hash, semantic_view
+from orchestrator.config import recipe as R
+from orchestrator.config.recipe import RecipeError, apply_overrides, changed_keys, parse_override, recipe_hash, semantic_view
 
 
 # --- the shipped recipes ---------------------------------------------------------------------------
@@ -643,7 +643,7 @@ def test_shipped_large_recipes_merge_once_after_training():
 
 
 def test_save_steps_auto_is_accepted_and_outside_the_hash(write_recipe):
-    from orchestrator.recipe import RecipeError, load, recipe_hash
+    from orchestrator.config.recipe import RecipeError, load, recipe_hash
     fixed = load(write_recipe(checkpoint={"save_steps": 100}))
     auto = load(write_recipe(checkpoint={"save_steps": "auto"}))
     assert auto.checkpoint.save_steps == "auto" and recipe_hash(auto) == recipe_hash(fixed)

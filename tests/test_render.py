@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from conftest import DROP, RECIPES
-from orchestrator import recipe as R
-from orchestrator import flags
-from orchestrator.render import command
-from orchestrator.render.argv import flags as argv_flags, value as argv_value
-from orchestrator.render.command import render_command
+from orchestrator.config import recipe as R
+from orchestrator.config import flags
+from orchestrator.config.render import command
+from orchestrator.config.render.argv import flags as argv_flags, value as argv_value
+from orchestrator.config.render.command import render_command
 from orchestrator.types import Resume
 
 FRESH = None

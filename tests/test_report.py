@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from orchestrator import report
-from orchestrator.journal import Journal, journal_path
-from orchestrator.published import publish_dir
-from orchestrator.recipe import load
-from orchestrator.rundir import state_dir
+from orchestrator.ops import report
+from orchestrator.host.journal import Journal, journal_path
+from orchestrator.store.published import publish_dir
+from orchestrator.config.recipe import load
+from orchestrator.store.rundir import state_dir
 from orchestrator.types import Attempt, CrashClass, Progress
 from supervised import cli, fake_recipe, journal, logged_steps, supervise
 

@@ -1,9 +1,9 @@
-"""Local retention (orchestrator/retention.py): a table of cases, then the same rules on real files."""
+"""Local retention (orchestrator/domain/retention.py): a table of cases, then the same rules on real files."""
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.retention import Local, plan_prune
+from orchestrator.domain.retention import Local, plan_prune
 
 
 def ck(step, ok=True, complete=True, published=True, merged=False, merged_published=None):

@@ -53,14 +53,15 @@ def test_a_kill_during_pruning_loses_nothing(tmp_path):
     script = textwrap.dedent(f"""
         import os, shutil, signal
         from pathlib import Path
-        from orchestrator import retention
-        from orchestrator.recipe import load
-        from orchestrator.run_checkpoints import RunCheckpoints
+        from orchestrator.domain import retention
+        from orchestrator.config.recipe import load
+        from orchestrator.store.tracker import CheckpointTracker
         out = {json.dumps(str(out))}
         class Journal:
             def checkpoints(self): return []
+            def get_all(self): return dict()
             def event(self, *a, **k): pass
-        rc = RunCheckpoints(load({json.dumps(str(recipe))}), "h", Path(out), Journal(), None, None)
+        rc = CheckpointTracker(load({json.dumps(str(recipe))}), "h", Path(out), Journal(), None, None)
         rc.seen = {{out + "/checkpoint-10": True}}
         retention.plan_prune = lambda *a, **k: [retention.Prune(out + "/checkpoint-10", "test")]
         shutil.rmtree = lambda path, **k: os.kill(os.getpid(), signal.SIGKILL)   # killed mid-delete
@@ -69,10 +70,10 @@ def test_a_kill_during_pruning_loses_nothing(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == -9, "the pruning process was killed mid-delete"
     assert not (out / "checkpoint-10").exists() and list(out.glob(".orchestrator-pruning-*")), "renamed first"
-    from orchestrator.recipe import load
-    from orchestrator.run_checkpoints import RunCheckpoints
+    from orchestrator.config.recipe import load
+    from orchestrator.store.tracker import CheckpointTracker
 
-    RunCheckpoints(load(recipe), "h", out, None, None, None)   # the successor's start
+    CheckpointTracker(load(recipe), "h", out, None, None, None)   # the successor's start
     assert not list(out.glob(".orchestrator-pruning-*")), "the successor finished the decided delete"
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == {k: v for k, v in before.items() if k.parts[0] != "checkpoint-10"}, "nothing else lost"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import service
-from orchestrator.service import (DEFAULT_EXE, TEMPLATES, InstallError, install_service, render_unit,
+from orchestrator.ops import service
+from orchestrator.ops.service import (DEFAULT_EXE, TEMPLATES, InstallError, install_service, render_unit,
                                   validate_name)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,11 +79,11 @@ def shipped() -> dict[str, str]:
 
 
 def test_shipped_units_are_the_rendered_defaults():
-    # Regenerate with: python3 -c "from orchestrator.service import TEMPLATES, render_unit as r;
+    # Regenerate with: python3 -c "from orchestrator.ops.service import TEMPLATES, render_unit as r;
     #   [open('systemd/'+t, 'w').write(r(t)) for t in TEMPLATES]"
     assert set(shipped()) == set(TEMPLATES)
     for name, text in shipped().items():
-        assert text == render_unit(name), f"systemd/{name} is out of date with orchestrator/service.py"
+        assert text == render_unit(name), f"systemd/{name} is out of date with orchestrator/ops/service.py"
 
 
 @needs_analyze

@@ -1,4 +1,4 @@
-"""The effective-training-time simulation (orchestrator/simulate.py): sanity, policy, determinism, analytics."""
+"""The effective-training-time simulation (orchestrator/domain/simulate.py): sanity, policy, determinism, analytics."""
 from __future__ import annotations
 
 import math
@@ -6,10 +6,10 @@ import math
 import pytest
 
 from orchestrator import preflight
-from orchestrator import simulate as S
-from orchestrator import simulate_report as R
-from orchestrator.recipe import SupervisorSection
-from orchestrator.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate, with_
+from orchestrator.domain import simulate as S
+from orchestrator.domain import simulate_report as R
+from orchestrator.config.recipe import SupervisorSection
+from orchestrator.domain.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate, with_
 
 # No crash-loop backoff, no give-up: the policy reduces to its per-class waits.
 NO_GUARDS = SupervisorSection(max_crashes_per_hour=10**6, max_relaunches_without_progress=10**6)
@@ -207,8 +207,8 @@ def test_an_impossible_run_ends_at_the_wall_cap():
 
 def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
     from conftest import RECIPES
-    from orchestrator import plan, storage
-    from orchestrator.recipe import load
+    from orchestrator.domain import storage
+    from orchestrator.config.recipe import load
     r = load(next(p for p in RECIPES if p.name.startswith("qwen3.5-397b")))
     cfg, total = preflight.model_config(r)
     b = storage.budget(r, cfg, total)
@@ -257,7 +257,7 @@ def test_crash_rate_scales_the_mix():
 def test_simulate_command(tmp_path):
     import json as _json
     from click.testing import CliRunner
-    from orchestrator.cli import main
+    from orchestrator.ops.cli import main
     out = CliRunner().invoke(main, ["simulate", "--mix", "harsh", "--seeds", "4", "--json"])
     assert out.exit_code == 0, out.output
     d = _json.loads(out.output)

@@ -18,12 +18,12 @@ import psutil
 import pytest
 
 import slurm_cluster
-from orchestrator import launcher
-from orchestrator.launch.slurm import Allocation, NodeFailure, first_failure, node_log, srun_argv
-from orchestrator.node_exec import node_env
-from orchestrator.recipe import RecipeError, load
+from orchestrator.host.launch import local as launcher
+from orchestrator.host.launch.slurm import Allocation, NodeFailure, first_failure, node_log, srun_argv
+from orchestrator.host.node_exec import node_env
+from orchestrator.config.recipe import RecipeError, load
 from orchestrator.supervisor import Supervisor
-from orchestrator.types import CrashClass, ExitCode, State
+from orchestrator.types import ExitCode, State
 from supervised import attempts, free_port_range
 
 DEMO = Path(__file__).resolve().parents[1] / "orchestrator" / "data" / "demo-cpu.toml"
@@ -52,7 +52,7 @@ def test_the_step_runs_node_exec_on_every_node_with_a_log_per_node(tmp_path):
     assert argv[0] == "srun"
     assert {"--jobid=42", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             "--nodelist=n1,n2"} <= set(argv)
-    assert argv[argv.index("--") - 4:] == [sys.executable, "-m", "orchestrator.node_exec",
+    assert argv[argv.index("--") - 4:] == [sys.executable, "-m", "orchestrator.host.node_exec",
                                            f"--log={tmp_path}/attempt-0003-node-{{node}}.log", "--",
                                            "/venv/bin/swift", "sft", "--model", "a b"]
     assert node_log(tmp_path / "attempt-0003.log", "n2") == tmp_path / "attempt-0003-node-n2.log"
@@ -113,7 +113,7 @@ def allocation(cluster, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from orchestrator import tiny
+    from orchestrator.ops import tiny
 
     return tiny.build(tmp_path_factory.mktemp("tiny"))
 

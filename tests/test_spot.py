@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from orchestrator.spot import AnyNotice, CommandNotice, FileNotice, NullNotice, from_config, from_recipe
+from orchestrator.host.spot import AnyNotice, CommandNotice, FileNotice, NullNotice, from_config, from_recipe
 
 PY = sys.executable
 
@@ -65,7 +65,7 @@ def test_command_is_not_run_through_a_shell(tmp_path):
 
 def test_command_failures_do_not_raise(tmp_path, caplog):
     missing = CommandNotice([str(tmp_path / "no-such-binary")], "x", interval_s=1)
-    with caplog.at_level(logging.WARNING, logger="orchestrator.spot"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.host.spot"):
         assert missing.check(0.0) is None
         assert missing.check(10.0) is None
     assert len([r for r in caplog.records if "no-such-binary" in r.getMessage()]) == 1  # warned once
@@ -185,7 +185,7 @@ def test_from_recipe_section(tmp_path):
 
 
 def test_from_recipe_with_the_real_recipe_model():
-    recipe = pytest.importorskip("orchestrator.recipe")
+    recipe = pytest.importorskip("orchestrator.config.recipe")
     s = recipe.SupervisorSection(spot_notice_command=["curl", "-sf", "http://169.254.169.254/"])
     n = from_recipe(s)
     assert isinstance(n, CommandNotice) and n.pattern.search("instance-action: terminate")

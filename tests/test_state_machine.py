@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from fake_host import FakeHost
-from orchestrator.journal import Journal, journal_path
-from orchestrator.recipe import load
-from orchestrator.rundir import state_dir
+from orchestrator.host.journal import Journal, journal_path
+from orchestrator.config.recipe import load
+from orchestrator.store.rundir import state_dir
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import Action, Crash, CrashClass, ExitCode, State
 
@@ -517,7 +517,7 @@ def test_the_whole_loop_recovers_on_the_fake_clock(world):
 
 
 def test_rebuild_history_table():
-    from orchestrator import policy
+    from orchestrator.domain import policy
     from orchestrator.types import Attempt
 
     a = lambda n, cls, start, end, t: Attempt(n, t - 10, start_step=start, end_step=end, ended_at=t, cls=cls)  # noqa: E731
@@ -536,7 +536,7 @@ def test_rebuild_history_table():
 
 
 def load_default_supervisor():
-    from orchestrator.recipe import SupervisorSection
+    from orchestrator.config.recipe import SupervisorSection
     return SupervisorSection()
 
 
@@ -547,7 +547,7 @@ def _argv_save_steps(t) -> int:
 
 
 def test_auto_save_interval_is_chosen_at_every_launch_from_the_evidence(world, monkeypatch):
-    from orchestrator import interval
+    from orchestrator.domain import interval
     sup, host = world(checkpoint={"save_steps": "auto"}, supervisor={"max_relaunches_without_progress": 100})
     drive(sup, State.LAUNCHING)  # the tiny model's save written at a speed that makes it take 100 s
     monkeypatch.setattr(interval, "DEFAULT_WRITE_BYTES_PER_S", sup.save_gib * 2**30 / 100)

@@ -1,4 +1,4 @@
-"""Storage budget (orchestrator/storage.py) and the disk checks built on it (plan.py): table tests with the
+"""Storage budget (orchestrator/domain/storage.py) and the disk checks built on it (plan.py): table tests with the
 numbers written out for the shipped 397B and 235B recipes, the probe on a real directory, the fatal check on
 a real size-limited tmpfs, and the `plan --json` shape."""
 from __future__ import annotations
@@ -13,12 +13,14 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import MODEL_CONFIG, RECIPES, make_model
-from orchestrator import estimate as E
-from orchestrator import host_probe, plan, storage
+from orchestrator.config import estimate as E
+from orchestrator.host import probe as host_probe
+from orchestrator.ops import plan
+from orchestrator.domain import storage
 from orchestrator import preflight
-from orchestrator import recipe as R
-from orchestrator.cli import main
-from orchestrator.estimate import known_config
+from orchestrator.config import recipe as R
+from orchestrator.ops.cli import main
+from orchestrator.config.estimate import known_config
 
 GIB, MIB = 1024**3, 1024**2
 R397 = next(p for p in RECIPES if p.name.startswith("qwen3.5-397b"))

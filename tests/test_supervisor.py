@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.launcher import RUN_MARKER
-from orchestrator.rundir import run_id
+from orchestrator.host.launch.local import RUN_MARKER
+from orchestrator.store.rundir import run_id
 from orchestrator.types import CrashClass, ExitCode
 from supervised import attempts, cli, events, fake_recipe, journal, logged_steps, published_at, supervise
 
@@ -99,7 +99,7 @@ def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path):
     out = tmp_path / "out"
     # Corrupt checkpoint-20 the moment it is written: a stub adapter with a header and no tensors.
     from orchestrator.supervisor import Supervisor
-    from orchestrator.recipe import load
+    from orchestrator.config.recipe import load
 
     sup = Supervisor(load(recipe), install_signals=False)
     original = sup._scan_checkpoints
@@ -137,7 +137,7 @@ def test_resume_divergence_stops_the_run(tmp_path):
 
 def test_metrics_are_served_while_running(tmp_path):
     recipe = fake_recipe(tmp_path, iterations=400, extra_env={"FAKE_STEP_S": "0.02"})
-    from orchestrator.recipe import load
+    from orchestrator.config.recipe import load
     from orchestrator.supervisor import Supervisor
     import threading
 
@@ -297,7 +297,7 @@ class HeldGpus:
 
 @pytest.mark.parametrize("allowed", [True, False], ids=["kill_pattern_matches", "no_kill_pattern"])
 def test_foreign_gpu_holder_is_killed_only_when_the_recipe_allows(tmp_path, allowed):
-    from orchestrator.recipe import load
+    from orchestrator.config.recipe import load
     from orchestrator.supervisor import Supervisor
     import threading
 

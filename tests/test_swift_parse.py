@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from orchestrator import estimate, tiny
-from orchestrator import recipe as R
-from orchestrator.render.command import render_command
-from orchestrator.render.export import render_export
+from orchestrator.config import estimate
+from orchestrator.ops import tiny
+from orchestrator.config import recipe as R
+from orchestrator.config.render.command import render_command
+from orchestrator.config.render.export import render_export
 from orchestrator.types import Resume
 
 pytest.importorskip("swift", reason="ms-swift is not installed (scripts/setup.sh --test)")

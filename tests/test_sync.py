@@ -18,10 +18,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoints import make_megatron, make_merged, make_swift
 
-from orchestrator import checkpoints as ck
-from orchestrator import copytree
-from orchestrator import manifest as mf
-from orchestrator import sync
+from orchestrator.store import checkpoints as ck
+from orchestrator.store import copytree
+from orchestrator.store import manifest as mf
+from orchestrator.store import sync
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_RSYNC = sync.shutil.which("rsync") is not None
@@ -248,7 +248,7 @@ def test_python_fallback_resumes_staging(tmp_path, monkeypatch):
 
 KILL_SCRIPT = textwrap.dedent("""
     import sys
-    from orchestrator.sync import sync_once
+    from orchestrator.store.sync import sync_once
     sync_once(sys.argv[1], sys.argv[2], "swift", "h", bwlimit_kib=4096)
 """)
 
@@ -322,7 +322,7 @@ def test_sidecar_timer_trigger_alerts_and_stop(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10)
     alerts = []
-    car = sync.SyncSidecar(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append)
+    car = sync.SyncThread(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append)
     car.start()
     assert car.wait_rounds(1, timeout=30)
     assert car.last_result.copied == ("checkpoint-10",) and car.last_success_at and car.bytes_total > 0
@@ -347,7 +347,7 @@ def test_sidecar_survives_exceptions(tmp_path, monkeypatch):
         raise RuntimeError("disk exploded")
     monkeypatch.setattr(sync, "sync_once", boom)
     alerts = []
-    car = sync.SyncSidecar(tmp_path, tmp_path / "p", "swift", "h", interval_s=3600, on_problem=alerts.append)
+    car = sync.SyncThread(tmp_path, tmp_path / "p", "swift", "h", interval_s=3600, on_problem=alerts.append)
     car.start()
     assert car.wait_rounds(1, timeout=30)
     car.trigger()
@@ -360,12 +360,12 @@ def test_sidecar_survives_exceptions(tmp_path, monkeypatch):
 
 def test_sidecar_stop_before_start_and_interval(tmp_path):
     make_swift(tmp_path / "out", 10)
-    car = sync.SyncSidecar(tmp_path / "out", tmp_path / "p", "swift", "h", interval_s=0.05)
+    car = sync.SyncThread(tmp_path / "out", tmp_path / "p", "swift", "h", interval_s=0.05)
     car.start()
     assert car.wait_rounds(3, timeout=30)  # the timer alone drives rounds
     car.stop(timeout=30)
     assert not car.is_alive()
-    sync.SyncSidecar(tmp_path, tmp_path / "q", "swift", "h").stop()  # never started: no error
+    sync.SyncThread(tmp_path, tmp_path / "q", "swift", "h").stop()  # never started: no error
 
 
 def test_manifest_json_is_what_we_expect(tmp_path):
@@ -383,7 +383,7 @@ def test_sidecar_stop_cancels_a_long_copy(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10, big=8 << 20)  # ~8 s at 1 MiB/s
     alerts = []
-    car = sync.SyncSidecar(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append, bwlimit_kib=1024)
+    car = sync.SyncThread(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append, bwlimit_kib=1024)
     car.start()
     staging = pers / ".partial-checkpoint-10"
     deadline = time.monotonic() + 30

@@ -13,10 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoints import make_swift
 
-from orchestrator import copytree
-from orchestrator import manifest as mf
-from orchestrator import sync
-from orchestrator.tailhash import TailHasher
+from orchestrator.store import copytree
+from orchestrator.store import manifest as mf
+from orchestrator.store import sync
+from orchestrator.store.tailhash import TailHasher
 
 
 def wait_until(cond, timeout: float = 30) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.types import (Crash, CrashClass as C, DiskSpace, ExitStatus, GpuFault, OomKill, Phase, PortOwner,
                                 SystemEvidence)
-from orchestrator.verdict import NO_OOM_RECORD, classify_attempt, combine
+from orchestrator.domain.verdict import NO_OOM_RECORD, classify_attempt, combine
 
 GIB = 1024**3
 AT = time.mktime((2024, 5, 1, 12, 3, 5, 0, 0, -1))
@@ -110,7 +110,7 @@ def test_classify_command_takes_the_phase(tmp_path, args, cls, phase):
 
     from click.testing import CliRunner
 
-    from orchestrator.cli import main
+    from orchestrator.ops.cli import main
 
     log = tmp_path / "crash.log"
     log.write_text(OOM + "\n")
@@ -122,7 +122,7 @@ def test_classify_command_takes_the_phase(tmp_path, args, cls, phase):
 def test_classify_command_refuses_an_unknown_phase(tmp_path):
     from click.testing import CliRunner
 
-    from orchestrator.cli import main
+    from orchestrator.ops.cli import main
 
     (log := tmp_path / "crash.log").write_text(OOM)
     res = CliRunner().invoke(main, ["classify", str(log), "--phase", "warmup"])

@@ -1,0 +1,144 @@
+"""What to do about a finished or stuck attempt. Pure functions of data; table-tested.
+
+Per-class actions (the field procedure, made explicit):
+  port_in_use        relaunch at once on a fresh port; not counted against the crash budget
+  nccl_*             relaunch after wait_s + nccl_settle_s (NCCL IPC handles need time to go)
+  disk_full          no blind restart: wait for free space, raising the disk_full alert meanwhile
+  other              give up: a bad argument or an import error does not fix itself
+  nan_loss           relaunch once from the last good checkpoint; twice in a row: give up
+  everything else    relaunch after wait_s
+Guards: more than max_crashes_per_hour → exponential backoff (OrchestratorCrashLoop fires on the same count);
+max_relaunches_without_progress relaunches in a row with no new good checkpoint → give up (exit 3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.config.recipe import SupervisorSection
+from orchestrator.types import Action, Alert, Attempt, Crash, CrashClass, Decision
+
+HOUR = 3600.0
+# Failures that say nothing about the training's health: they do not count toward the crash loop.
+_FREE_RETRIES = frozenset({CrashClass.PORT_IN_USE})
+_NCCL = frozenset({CrashClass.NCCL_ERROR, CrashClass.NCCL_TIMEOUT_HANG})
+
+
+@dataclass(frozen=True)
+class History:
+    crash_times: tuple[tuple[float, CrashClass], ...] = ()   # earlier crashes (time, class)
+    previous_cls: CrashClass | None = None                   # class of the attempt before this one
+    relaunches_without_progress: int = 0                     # in a row, before this crash
+
+
+def crashes_last_hour(history: History, crash: Crash, now: float) -> int:
+    earlier = sum(1 for t, c in history.crash_times if now - t < HOUR and c not in _FREE_RETRIES)
+    return earlier + (crash.cls not in _FREE_RETRIES)
+
+
+def decide(crash: Crash, history: History, cfg: SupervisorSection, now: float, checkpoint_progress: bool) -> Decision:
+    """`checkpoint_progress`: a newer good checkpoint exists than when this attempt was launched."""
+    cls = crash.cls
+    if cls is CrashClass.OTHER:
+        return Decision(Action.GIVE_UP, "class `other`: retrying cannot help (see the evidence)")
+    if cls is CrashClass.NAN_LOSS and history.previous_cls is CrashClass.NAN_LOSS:
+        return Decision(Action.GIVE_UP, "nan_loss twice in a row from the same checkpoint")
+    stalled = 0 if checkpoint_progress else history.relaunches_without_progress + (cls not in _FREE_RETRIES)
+    if stalled >= cfg.max_relaunches_without_progress:
+        return Decision(Action.GIVE_UP, f"{stalled} relaunches in a row without checkpoint progress")
+    if cls is CrashClass.DISK_FULL:
+        return Decision(Action.WAIT_FOR_SPACE, "disk full: waiting for free space before relaunching",
+                        wait_s=cfg.wait_s, alert=Alert.DISK_FULL)
+    if cls in _FREE_RETRIES:
+        return Decision(Action.RELAUNCH, "rendezvous port taken: relaunch on a fresh port", new_port=True)
+    wait = cfg.wait_s + (cfg.nccl_settle_s if cls in _NCCL else 0.0)
+    count = crashes_last_hour(history, crash, now)
+    if count > cfg.max_crashes_per_hour:
+        backoff = min(cfg.backoff_max_s, max(cfg.wait_s, 1.0) * 2 ** (count - cfg.max_crashes_per_hour))
+        return Decision(Action.RELAUNCH, f"{count} crashes in the last hour (limit {cfg.max_crashes_per_hour}): "
+                        f"backing off {backoff:.0f} s", wait_s=wait, backoff_s=backoff)
+    return Decision(Action.RELAUNCH, f"{cls.value}: relaunch from the newest good checkpoint", wait_s=wait)
+
+
+def next_history(history: History, crash: Crash, now: float, checkpoint_progress: bool) -> History:
+    stalled = 0 if checkpoint_progress else history.relaunches_without_progress + (crash.cls not in _FREE_RETRIES)
+    recent = tuple((t, c) for t, c in history.crash_times if now - t < HOUR) + ((now, crash.cls),)
+    return History(recent, crash.cls, stalled)
+
+
+def rebuild_history(attempts: list[Attempt], good_steps: set[int]) -> History:
+    """The history a supervisor restarted mid-run continues from: every ended attempt that crashed,
+    in order, as the live loop folded it. An attempt progressed when a good checkpoint exists past
+    its resume point and no later than its last step. Stopped and interrupted attempts (no class)
+    say nothing about the training's health and are skipped."""
+    h = History()
+    for a in attempts:
+        if a.ended_at is None or a.cls is None:
+            continue
+        start, end = a.start_step or 0, a.end_step if a.end_step is not None else float("inf")
+        progressed = any(start < s <= end for s in good_steps)
+        h = next_history(h, Crash(a.cls), a.ended_at, progressed)
+    return h
+
+
+def hang_verdict(now: float, launched_at: float, last_step_at: float | None,
+                 hang_timeout_s: float, startup_timeout_s: float) -> str | None:
+    """No new step for hang_timeout_s once training started, or none for startup_timeout_s."""
+    if last_step_at is None:
+        if now - launched_at > startup_timeout_s:
+            return f"no training step within startup_timeout_s = {startup_timeout_s:.0f} s of launch"
+        return None
+    if now - last_step_at > hang_timeout_s:
+        return f"no new training step for {now - last_step_at:.0f} s (hang_timeout_s = {hang_timeout_s:.0f})"
+    return None
+
+
+def resume_verdict(resume_step: int, first_step: int, first_loss: float | None, earlier_loss: float | None,
+                   logging_steps: int, tolerance: float) -> str | None:
+    """After a resume from checkpoint N the first logged step must be in (N, N + logging_steps] and
+    its loss must match the loss logged at that step before the crash (when one was logged)."""
+    if not resume_step < first_step <= resume_step + logging_steps:
+        return f"resumed from step {resume_step} but the first logged step is {first_step}"
+    if first_loss is not None and earlier_loss is not None:
+        scale = max(abs(earlier_loss), 1e-8)
+        if abs(first_loss - earlier_loss) / scale > tolerance:
+            return (f"loss at step {first_step} is {first_loss:.6g} after resume, {earlier_loss:.6g} before "
+                    f"(tolerance {tolerance:.0%})")
+    return None
+
+
+READY_POLL_S = 0.25   # how often a verified wait looks again: a relaunch is late by at most this
+
+
+@dataclass(frozen=True)
+class Readiness:
+    go: bool                    # relaunch now (all clear past the floor, or the upper bound reached)
+    waiting_for: tuple[str, ...]  # what is not clear yet (at go: what the bound cut short, if anything)
+    recheck_s: float = 0.0      # when not go: look again after this long
+
+
+def settle_floor(cls: CrashClass, cfg: SupervisorSection) -> float:
+    """The minimum wait of a verified wait: nccl_settle_s after nccl_* classes (CUDA IPC handles
+    held in a peer's driver state are not visible to any check), none otherwise."""
+    return cfg.nccl_settle_s if cls in _NCCL else 0.0
+
+
+def readiness_verdict(elapsed_s: float, floor_s: float, bound_s: float, leftovers: list[int],
+                      gpu_problems: list[str], shm_held: dict[str, list[int]], port_free: bool) -> Readiness:
+    """May the next attempt start? What the field's fixed 90 s guesses at, checked: every process
+    of the run gone (re-parented ones included), GPU memory released on the run's GPUs, the run's
+    NCCL shared-memory segments unmapped, a free rendezvous port; and at least `floor_s` waited.
+    Never longer than `bound_s` (supervisor.wait_s, + nccl_settle_s): VERIFYING still refuses busy GPUs
+    and the launch still takes only a free port."""
+    blocking = ([f"{len(leftovers)} process(es) of the run still alive (pids {', '.join(map(str, leftovers[:5]))})"]
+                if leftovers else [])
+    blocking += [f"GPU: {p}" for p in gpu_problems]
+    blocking += [f"shm {name} still mapped by pid {', '.join(map(str, pids))}" for name, pids in sorted(shm_held.items())]
+    blocking += [] if port_free else ["no free rendezvous port in port_range"]
+    if elapsed_s >= bound_s:
+        return Readiness(True, tuple(blocking))
+    if not blocking and elapsed_s >= floor_s:
+        return Readiness(True, ())
+    left = bound_s - elapsed_s
+    if not blocking:  # only the floor holds it back: wake exactly at the floor
+        return Readiness(False, (f"nccl settle floor {floor_s:g} s",), min(floor_s - elapsed_s, left))
+    return Readiness(False, tuple(blocking), min(READY_POLL_S, left))

@@ -1,0 +1,391 @@
+"""Effective training time (ETT): this orchestrator vs the field's plain restart loop. Pure, seeded.
+
+A discrete-event simulation of one long LoRA run that has to complete `total_steps` steps, under a mix
+of crashes, hangs, stale GPU holders and rendezvous-port collisions. Two ways of keeping it alive:
+
+  orchestrator   this package's recovery: the real `orchestrator.domain.policy.decide` (per-class waits:
+                 wait_s, + nccl_settle_s for nccl_*, port_in_use relaunched at once on a fresh port,
+                 crash-loop backoff, give-up after max_relaunches_without_progress or NaN twice),
+                 hang detection after hang_timeout_s (then SIGTERM, grace_s, SIGKILL), NaN stop,
+                 GPU verification before every launch (kill own leftovers, force_wait_s, then
+                 exponential backoff; never launch onto busy GPUs) and a fresh rendezvous port per
+                 launch. A give-up (exit 3) costs `gave_up_response_s` until a person restarts it.
+  plain          the field's `while true; do megatron sft ...; sleep 90; done`: every exit is followed
+                 by the same sleep, nothing detects a hang (ms-swift's Megatron default ddp_timeout is
+                 208 days: a hang lasts until a person notices, `plain_hang_s`), the port is the same
+                 every launch (a port still held by the dead attempt fails the next launch, again and
+                 again while it is held), nothing checks the GPUs (a launch while stale holders still
+                 hold the memory dies with a cold-start OOM `oom_at_s` into the start, repeatedly,
+                 until they die), and a NaN loss trains on until a person notices (`plain_nan_notice_s`).
+
+Both resume from the newest checkpoint (every `save_steps` steps): the steps since it are lost.
+
+Each second of wall time is charged to one kind (see KINDS), and each lost second also to the crash
+class that caused it (`by_class`; the first start is "initial_start", checkpoint writes are
+"checkpoint_saves"). ETT ratio = productive / wall, productive = total_steps x step_s.
+
+Model choices (all parameters of `Scenario`):
+  * crashes arrive per training step, independently: a per-step probability (`per_step`, e.g. one fla
+    OOM per ~500 steps) plus a per-hour rate (`per_hour`) turned into a per-step one; a crash happens
+    at a uniformly random point of a step. Crashes during the start-up come only from stale GPU
+    holders (cold_start_oom) and port collisions.
+  * after a crash, stale GPU holders linger with probability `stale_prob` for an exponential time
+    (mean `stale_mean_s`); the orchestrator can kill a fraction `stale_killable` of them (its own
+    leftovers, re-parented ranks), the rest it waits out. The dead attempt's rendezvous port stays
+    taken with probability `port_held_prob` for an exponential time (mean `port_hold_mean_s`);
+    any launch collides with a foreign listener with probability `foreign_port_prob`.
+  * a NaN recurs at the same step after a resume from the checkpoint before it with probability
+    `nan_repeat_prob` (a bad batch); the person who answers the give-up (or who notices the NaN in the
+    plain loop) fixes it.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from orchestrator.domain.interval import Evidence, choose
+from orchestrator.domain.policy import History, decide, next_history
+from orchestrator.config.recipe import SupervisorSection
+from orchestrator.types import Action, Crash, CrashClass, Phase
+
+HOUR = 3600.0
+LOOPS = ("orchestrator", "plain")
+# Every second of wall time goes to exactly one of these.
+KINDS = ("productive", "checkpoint", "startup", "lost_progress", "hang", "cleanup", "wait", "gpu_busy",
+         "failed_launch", "gave_up")
+# Classes that strike while training (per step / per hour); cold_start_oom and port_in_use arise at launch.
+TRAINING_CLASSES = (CrashClass.FLA_BACKWARD_OOM, CrashClass.OOM_DURING_TRAINING, CrashClass.NCCL_ERROR,
+                    CrashClass.NCCL_TIMEOUT_HANG, CrashClass.CUDA_FATAL, CrashClass.HOST_OOM_KILLED,
+                    CrashClass.NAN_LOSS)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str = "scenario"
+    step_s: float = 18.0               # one training step
+    save_steps: int | str = 100        # a checkpoint every N steps (resume point); orchestrator: or "auto"
+    total_steps: int = 20_000          # the run: 100 h of training at 18 s/step
+    save_s: float = 0.0                # time to write one checkpoint (charged to "checkpoint")
+    startup_s: float = 480.0           # launch -> first step (a 400B model's load: 5-10 min)
+    # What the two loops do differently about saves, waits and starts (issue 13). None: as above.
+    plain_save_steps: int | None = None  # the field's interval (100)
+    plain_save_s: float | None = None  # the field's save: the merged copy at every save
+    final_export_s: float = 0.0        # orchestrator, merge = "final": the one merged export after the last step
+    ready_s: float | None = None       # orchestrator: verified-ready relaunch, seconds after the exit (None: the
+                                       # policy's fixed wait_s); nccl_* classes wait at least nccl_settle_s
+    startup_ratio: float = 1.0         # orchestrator: a relaunch's start-up / the first one's (page cache, cached
+                                       # dataset preprocessing); 1.0 until measured
+    oom_at_s: float = 240.0            # launch -> cold-start OOM when stale holders still hold the GPUs
+    port_fail_s: float = 30.0          # launch -> EADDRINUSE at the rendezvous
+    exit_s: float = 10.0               # crash -> every rank gone (both loops)
+    verify_s: float = 2.0              # orchestrator: NVML check + journal before a launch
+    stack_dump_s: float = 10.0         # orchestrator: py-spy stacks of a hung trainer
+    per_step: dict[str, float] = field(default_factory=dict)   # class -> probability per training step
+    per_hour: dict[str, float] = field(default_factory=dict)   # class -> rate per hour of training
+    stale_prob: float = 0.0            # after a crash: P(stale GPU holders linger)
+    stale_mean_s: float = 300.0
+    stale_killable: float = 0.9        # share of stale holders the orchestrator may kill (its own)
+    port_held_prob: float = 0.0        # after a crash: P(the dead attempt's port is still taken)
+    port_hold_mean_s: float = 300.0
+    foreign_port_prob: float = 0.0     # per launch: P(another process listens on the chosen port)
+    nan_repeat_prob: float = 0.0       # P(a NaN recurs at the same step after the resume)
+    plain_wait_s: float = 90.0         # the loop's `sleep 90`
+    plain_hang_s: float = 6 * HOUR     # a hang in the plain loop: until a person notices
+    plain_nan_notice_s: float = 6 * HOUR
+    gave_up_response_s: float = 2 * HOUR  # orchestrator exit 3 (alerted) -> a person restarts it
+
+    def p_step(self, cls: CrashClass) -> float:
+        return self.per_step.get(cls.value, 0.0) + self.per_hour.get(cls.value, 0.0) * self.step_s / HOUR
+
+    @property
+    def ideal_s(self) -> float:
+        return self.total_steps * self.step_s
+
+
+@dataclass
+class Result:
+    loop: str
+    seed: int
+    wall_s: float = 0.0
+    productive_s: float = 0.0
+    lost: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS[1:], 0.0))
+    by_class: dict[str, float] = field(default_factory=dict)
+    crashes: Counter = field(default_factory=Counter)
+    launches: int = 0
+    gave_up: int = 0
+    completed: bool = False
+    intervals: list[int] = field(default_factory=list)  # the save interval of each launch that trained
+
+    @property
+    def ratio(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class _Clock:
+    """Advances wall time, charging each span to a kind and (if lost) to the class that caused it."""
+
+    def __init__(self, result: Result):
+        self.r, self.t, self.cause = result, 0.0, "initial_start"
+
+    def charge(self, kind: str, seconds: float, cause: str | None = None) -> None:
+        if seconds <= 0:
+            return
+        self.t += seconds
+        if kind == "productive":
+            self.r.productive_s += seconds
+            return
+        self.r.lost[kind] += seconds
+        c = cause or self.cause
+        self.r.by_class[c] = self.r.by_class.get(c, 0.0) + seconds
+
+
+def _expo(rng: random.Random, mean: float) -> float:
+    return rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+
+
+def _draw_crash(rng: random.Random, probs: list[tuple[CrashClass, float]], total: float) -> tuple[float, CrashClass]:
+    """Steps completed before the next crash (geometric; inf if none) and its class."""
+    if total <= 0:
+        return math.inf, CrashClass.OTHER
+    u = 1.0 - rng.random()  # (0, 1]
+    k = math.floor(math.log(u) / math.log1p(-total)) if total < 1 else 0
+    x, acc = rng.random() * total, 0.0
+    for cls, p in probs:
+        acc += p
+        if x < acc:
+            return k, cls
+    return k, probs[-1][0]
+
+
+def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSection | None = None,
+             max_wall_factor: float = 50.0) -> Result:
+    """One run of `sc` kept alive by `loop` ("orchestrator" or "plain"), until total_steps are done
+    (or max_wall_factor x the ideal time has passed: then `completed` is False)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    cfg = supervisor or SupervisorSection()
+    orch = loop == "orchestrator"
+    rng = random.Random(seed)
+    res = Result(loop, seed)
+    clk = _Clock(res)
+    probs = [(c, sc.p_step(c)) for c in TRAINING_CLASSES if sc.p_step(c) > 0]
+    p_total = sum(p for _, p in probs)
+    if p_total >= 1:
+        raise ValueError(f"crash probability per step {p_total:.3g} >= 1")
+    dt = sc.step_s
+    fixed = sc.save_steps if orch else (sc.plain_save_steps or sc.save_steps)
+    if fixed == "auto" and not orch:
+        raise ValueError('save_steps = "auto" is the orchestrator\'s; the plain loop saves every plain_save_steps')
+    save_s = sc.save_s if orch or sc.plain_save_s is None else sc.plain_save_s
+    failures, exposed_s = 0, 0.0  # what the orchestrator has seen so far: training crashes, training time
+    started = False               # a start-up after the first is a relaunch (startup_ratio)
+    ckpt = 0                      # steps kept (the newest checkpoint)
+    stale_until = 0.0             # stale GPU holders hold the memory until then
+    port_until = 0.0              # plain: the fixed rendezvous port is taken until then
+    history = History()
+    nan_at: int | None = None     # a NaN that recurs at this step after a resume
+    saved_since_launch = False
+    max_wall = max_wall_factor * sc.ideal_s
+
+    def interval_now() -> int:
+        if fixed != "auto":
+            return int(fixed)
+        ev = Evidence(save_s, "scenario", dt, "scenario", failures, exposed_s / HOUR, "this run")
+        return choose(ev).steps
+
+    def after_crash(cls: CrashClass, progress: bool) -> None:
+        """Leftovers of the dead attempt, then the loop's decision and its waits."""
+        nonlocal stale_until, port_until, history, nan_at
+        res.crashes[cls.value] += 1
+        if cls is not CrashClass.PORT_IN_USE:
+            if rng.random() < sc.stale_prob:
+                stale_until = max(stale_until, clk.t + _expo(rng, sc.stale_mean_s))
+            if rng.random() < sc.port_held_prob:
+                port_until = max(port_until, clk.t + _expo(rng, sc.port_hold_mean_s))
+        if not orch:
+            clk.charge("wait", sc.plain_wait_s)
+            return
+        crash = Crash(cls, phase=Phase.STARTUP if cls is CrashClass.COLD_START_OOM else Phase.TRAINING)
+        d = decide(crash, history, cfg, clk.t, progress)
+        history = next_history(history, crash, clk.t, progress)
+        if d.action is Action.GIVE_UP:
+            res.gave_up += 1
+            clk.charge("gave_up", sc.gave_up_response_s)
+            history, nan_at = History(), None  # a person looked, fixed the cause and restarted it
+        else:
+            wait = d.wait_s
+            if sc.ready_s is not None:  # relaunched once verified ready; the policy's wait_s is the upper bound
+                settle = cfg.nccl_settle_s if cls.value.startswith("nccl") else 0.0
+                wait = min(wait, max(sc.ready_s, settle))
+            clk.charge("wait", wait + d.backoff_s)
+
+    while ckpt < sc.total_steps and clk.t < max_wall:
+        # --- before the launch: the orchestrator verifies the GPUs (never launches onto busy ones)
+        if orch:
+            clk.charge("cleanup", sc.verify_s)
+            backoff = 0.0
+            while clk.t < stale_until:
+                if rng.random() < sc.stale_killable:  # own leftovers: killed, memory freed
+                    stale_until = clk.t
+                clk.charge("gpu_busy", cfg.force_wait_s)
+                if clk.t >= stale_until:
+                    break
+                backoff = min(cfg.backoff_max_s, max(backoff * 2, cfg.force_wait_s, 1.0))
+                clk.charge("gpu_busy", backoff)
+        res.launches += 1
+        saved_since_launch = False
+        # --- rendezvous port
+        foreign = rng.random() < sc.foreign_port_prob
+        if foreign or (not orch and clk.t < port_until):
+            if foreign and not orch:  # the loop keeps its port: the foreign listener fails it again
+                port_until = max(port_until, clk.t + _expo(rng, sc.port_hold_mean_s))
+            clk.cause = CrashClass.PORT_IN_USE.value
+            clk.charge("failed_launch", sc.port_fail_s)
+            after_crash(CrashClass.PORT_IN_USE, False)
+            continue
+        # --- model load: stale holders still on the GPUs when the weights arrive -> cold-start OOM
+        if clk.t + sc.oom_at_s < stale_until:
+            clk.cause = CrashClass.COLD_START_OOM.value
+            clk.charge("failed_launch", sc.oom_at_s)
+            clk.charge("cleanup", sc.exit_s)
+            after_crash(CrashClass.COLD_START_OOM, False)
+            continue
+        clk.charge("startup", sc.startup_s * (sc.startup_ratio if started and orch else 1.0))
+        started = True
+        k = interval_now()
+        res.intervals.append(k)
+        # --- training from ckpt: the next crash
+        left = sc.total_steps - ckpt
+        steps, cls = _draw_crash(rng, probs, p_total)
+        if nan_at is not None and nan_at - ckpt < min(steps, left):
+            steps, cls = nan_at - ckpt, CrashClass.NAN_LOSS
+        nan_at = None
+        if steps >= left:  # completes
+            saves = (sc.total_steps - 1) // k - ckpt // k  # the last step needs no resume point
+            clk.charge("productive", left * dt)
+            clk.charge("checkpoint", saves * save_s + (sc.final_export_s if orch else 0.0), "checkpoint_saves")
+            ckpt = sc.total_steps
+            res.completed = True
+            break
+        steps = int(steps)
+        failures += 1                             # a training crash: interval.run_failures counts it
+        crash_step = ckpt + steps                 # steps completed before the failing one
+        new_ckpt = crash_step // k * k
+        saves = new_ckpt // k - ckpt // k
+        clk.cause = cls.value
+        exposed_s += (crash_step - ckpt) * dt + saves * save_s
+        clk.charge("productive", (new_ckpt - ckpt) * dt)
+        clk.charge("checkpoint", saves * save_s, "checkpoint_saves")
+        clk.charge("lost_progress", (crash_step - new_ckpt + rng.random()) * dt)
+        saved_since_launch = saves > 0
+        if cls is CrashClass.NCCL_TIMEOUT_HANG:
+            if orch:  # no new step for hang_timeout_s; stacks; SIGTERM, grace_s, SIGKILL
+                clk.charge("hang", cfg.hang_timeout_s)
+                clk.charge("cleanup", sc.stack_dump_s + cfg.grace_s + sc.exit_s)
+            else:     # until a person notices and kills it
+                clk.charge("hang", sc.plain_hang_s)
+                clk.charge("cleanup", sc.exit_s)
+        elif cls is CrashClass.NAN_LOSS:
+            if orch:  # the supervisor stops the attempt at the NaN step; resume from the checkpoint before it
+                clk.charge("cleanup", cfg.grace_s + sc.exit_s)
+                if rng.random() < sc.nan_repeat_prob:
+                    nan_at = crash_step
+            else:     # trains on with NaN weights (poisoned checkpoints) until a person rolls it back
+                clk.charge("lost_progress", sc.plain_nan_notice_s)
+                clk.charge("cleanup", sc.exit_s)
+        else:
+            clk.charge("cleanup", sc.exit_s)
+        ckpt = new_ckpt
+        after_crash(cls, saved_since_launch)
+    res.wall_s = clk.t
+    return res
+
+
+@dataclass(frozen=True)
+class Summary:
+    loop: str
+    ratio: float                 # sum productive / sum wall over the seeds
+    ratio_min: float
+    ratio_max: float
+    lost_share: dict[str, float]  # kind -> share of wall time
+    class_share: dict[str, float]  # cause -> share of wall time
+    crashes_per_run: dict[str, float]
+    gave_up_per_run: float
+    launches_per_run: float
+    runs: int
+
+
+def summarize(results: list[Result]) -> Summary:
+    wall = sum(r.wall_s for r in results)
+    lost: Counter = Counter()
+    by_class: Counter = Counter()
+    crashes: Counter = Counter()
+    for r in results:
+        lost.update(r.lost)
+        by_class.update(r.by_class)
+        crashes.update(r.crashes)
+    n = len(results)
+    return Summary(
+        loop=results[0].loop, ratio=sum(r.productive_s for r in results) / wall,
+        ratio_min=min(r.ratio for r in results), ratio_max=max(r.ratio for r in results),
+        lost_share={k: lost[k] / wall for k in KINDS[1:]},
+        class_share={k: v / wall for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        crashes_per_run={k: v / n for k, v in sorted(crashes.items())},
+        gave_up_per_run=sum(r.gave_up for r in results) / n, launches_per_run=sum(r.launches for r in results) / n,
+        runs=n)
+
+
+def compare(sc: Scenario, seeds: range | list[int] = range(20),
+            supervisor: SupervisorSection | None = None) -> dict[str, Summary]:
+    """Both loops over the same seeds."""
+    return {loop: summarize([simulate(sc, loop, s, supervisor) for s in seeds]) for loop in LOOPS}
+
+
+def analytic_ratio(sc: Scenario, recovery_s: float, p_step: float | None = None,
+                   first_start_s: float | None = None) -> float:
+    """Expected ETT for the simple case: one crash class at `p_step` per step (crash at a uniform point of
+    the step), no save cost, a fixed `recovery_s` from a crash to the next first step, total_steps a
+    multiple of save_steps. Each checkpoint interval is a renewal: it needs k crash-free steps in a row,
+    q = (1-p)^k; expected failures (1-q)/q, each losing E[J | J < k] + 1/2 steps plus recovery_s."""
+    p = sum(sc.p_step(c) for c in TRAINING_CLASSES) if p_step is None else p_step
+    k, dt = sc.save_steps, sc.step_s
+    first = sc.startup_s if first_start_s is None else first_start_s
+    if p <= 0:
+        return sc.ideal_s / (sc.ideal_s + first)
+    q = (1 - p) ** k
+    e_j = sum(j * (1 - p) ** j * p for j in range(k)) / (1 - q)
+    per_interval = k * dt + (1 - q) / q * (recovery_s + dt * (e_j + 0.5))
+    return sc.ideal_s / (first + sc.total_steps / k * per_interval)
+
+
+# --- the two mixes of the reliability report -------------------------------------------------------
+
+# The field's numbers: 18 s steps, a checkpoint every 100 steps, `sleep 90`, one fla OOM spike per ~500
+# steps, and small rates of the rest: an NCCL error every ~2 days, a hang every ~3 days, a CUDA fatal
+# error every ~5 days; after a crash, the old port is still taken 10 % of the time and stale holders
+# keep the GPUs 5 % of the time (~5 min).
+FIELD = Scenario(
+    name="field", per_step={"fla_backward_oom": 1 / 500},
+    per_hour={"nccl_error": 1 / 48, "nccl_timeout_hang": 1 / 72, "cuda_fatal": 1 / 120},
+    stale_prob=0.05, stale_mean_s=300, port_held_prob=0.10, port_hold_mean_s=300)
+
+# A harsher node: flaky fabric (an NCCL error every ~10 h, a hang every ~12 h), a host OOM kill and a
+# NaN spike every ~4 days (30 % of them recur from the checkpoint), stale holders after 30 % of crashes
+# for ~15 min (a fifth of them not the orchestrator's to kill), the old port held after 25 % of
+# crashes, and 1 % of launches colliding with a foreign listener.
+HARSH = Scenario(
+    name="harsh", per_step={"fla_backward_oom": 1 / 500},
+    per_hour={"nccl_error": 1 / 10, "nccl_timeout_hang": 1 / 12, "cuda_fatal": 1 / 48,
+              "host_oom_killed": 1 / 96, "nan_loss": 1 / 96},
+    stale_prob=0.30, stale_mean_s=900, stale_killable=0.8, port_held_prob=0.25, port_hold_mean_s=600,
+    foreign_port_prob=0.01, nan_repeat_prob=0.3)
+
+MIXES = (FIELD, HARSH)
+
+
+def with_(sc: Scenario, **changes) -> Scenario:
+    """A copy of `sc` with some fields changed (dataclasses.replace, re-exported for bench/tests)."""
+    return replace(sc, **changes)
+

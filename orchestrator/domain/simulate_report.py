@@ -1,0 +1,131 @@
+"""`orchestrator simulate`: the ETT simulation (simulate.py) with saves, waits and starts priced from the
+issue-13 inputs, both loops side by side, every input stated next to the result. Pure.
+
+The orchestrator: its recipe's save (storage budget bytes at the write speed), save_steps auto (Daly at
+every launch) or fixed, the verified-ready relaunch, a relaunch start-up ratio (1 until measured). The
+plain loop: the field's exact procedure: the merged copy at every save, every 100 steps, `sleep 90`,
+no hang detection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from orchestrator.domain.interval import DEFAULT_WRITE_BYTES_PER_S
+from orchestrator.domain.simulate import FIELD, HARSH, HOUR, LOOPS, TRAINING_CLASSES, Scenario, Summary, compare, simulate
+
+MIXES = {"field": FIELD, "harsh": HARSH}
+
+GIB = 2**30
+# The storage budget (storage.py) of the shipped recipes/qwen3.5-397b-a17b-lora-ep8.toml (rank 32,
+# keep_optimizer, merge = "final"): adapter 28.3 GiB + mcore shards 145.6 GiB per save, and the merged
+# model, 739.5 GiB, exported once after the last step. The field's command merges at every save: both.
+# tests/test_simulate.py checks these against storage.budget of the shipped recipe.
+ORCH_SAVE_BYTES = 186_737_819_648
+MERGED_BYTES = 794_000_000_000
+DEFAULT_READY_S = 5.0          # verified-ready relaunch: issue 13's target, relaunched within 5 s of the exit
+DEFAULT_STARTUP_RATIO = 1.0    # no measured start-up speed-up: the documented 8 minutes for every start
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What `orchestrator simulate` prices, stated next to every result."""
+
+    orch_save_bytes: float = ORCH_SAVE_BYTES        # per save, the orchestrator's recipe
+    orch_final_bytes: float = MERGED_BYTES          # merge = "final": the one export; 0 otherwise
+    plain_save_bytes: float = ORCH_SAVE_BYTES + MERGED_BYTES  # the field's command: merged copy at every save
+    write_bytes_per_s: float = float(DEFAULT_WRITE_BYTES_PER_S)  # the plan's default (interval.py)
+    save_steps: int | str = "auto"                  # the orchestrator's
+    plain_save_steps: int = 100
+    plain_wait_s: float = 90.0                      # the field's `sleep 90`
+    ready_s: float | None = DEFAULT_READY_S         # None: the orchestrator waits its fixed wait_s
+    startup_s: float = 480.0
+    startup_ratio: float = DEFAULT_STARTUP_RATIO
+    crash_rate_per_h: float | None = None           # None: the mix's own rates
+    source: str = "shipped qwen3.5-397b-a17b-lora-ep8 recipe"
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["orch_save_s"], d["plain_save_s"] = self.orch_save_s, self.plain_save_s
+        d["final_export_s"] = self.orch_final_bytes / self.write_bytes_per_s
+        return d
+
+    @property
+    def orch_save_s(self) -> float:
+        return self.orch_save_bytes / self.write_bytes_per_s
+
+    @property
+    def plain_save_s(self) -> float:
+        return self.plain_save_bytes / self.write_bytes_per_s
+
+
+def crashes_per_hour(sc: Scenario) -> float:
+    """Training crashes per hour of training of a mix."""
+    return sum(sc.p_step(c) for c in TRAINING_CLASSES) * HOUR / sc.step_s
+
+
+def at_crash_rate(sc: Scenario, per_hour: float) -> Scenario:
+    """The mix with every class scaled so that training crashes arrive `per_hour` (its proportions kept)."""
+    now = crashes_per_hour(sc)
+    if per_hour < 0 or now <= 0:
+        raise ValueError(f"crash rate must be >= 0 per hour (and the mix must have crashes), got {per_hour}")
+    f = per_hour / now
+    return replace(sc, per_step={k: v * f for k, v in sc.per_step.items()},
+                   per_hour={k: v * f for k, v in sc.per_hour.items()})
+
+
+def priced(mix: Scenario, i: Inputs = Inputs()) -> Scenario:
+    """`mix` with the saves, waits and starts of `i`: the orchestrator's recipe against the field's procedure."""
+    sc = at_crash_rate(mix, i.crash_rate_per_h) if i.crash_rate_per_h is not None else mix
+    return replace(sc, save_steps=i.save_steps, save_s=i.orch_save_s, final_export_s=i.orch_final_bytes / i.write_bytes_per_s,
+                   plain_save_steps=i.plain_save_steps, plain_save_s=i.plain_save_s, plain_wait_s=i.plain_wait_s,
+                   ready_s=i.ready_s, startup_s=i.startup_s, startup_ratio=i.startup_ratio)
+
+
+def ett_report(mix: Scenario, i: Inputs = Inputs(), seeds: int = 200) -> dict:
+    """`orchestrator simulate --json`: both loops over the same seeds, with every input."""
+    sc = priced(mix, i)
+    c = compare(sc, range(seeds))
+
+    def loop(sm: Summary, results_intervals: list[int] | None) -> dict:
+        d = {"ett": round(sm.ratio, 4), "ett_min": round(sm.ratio_min, 4), "ett_max": round(sm.ratio_max, 4),
+             "lost": {k: round(v, 4) for k, v in sm.lost_share.items()},
+             "crashes_per_run": {k: round(v, 2) for k, v in sm.crashes_per_run.items()},
+             "gave_up_per_run": round(sm.gave_up_per_run, 3), "launches_per_run": round(sm.launches_per_run, 1)}
+        if results_intervals:
+            d["save_interval_steps"] = {"first": results_intervals[0], "min": min(results_intervals),
+                                        "max": max(results_intervals)}
+        return d
+
+    firsts = [simulate(sc, "orchestrator", s).intervals for s in range(min(seeds, 20))]
+    flat = [k for run in firsts for k in run]
+    return {"mix": mix.name, "seeds": seeds, "orchestrator": loop(c["orchestrator"], flat),
+            "plain": loop(c["plain"], None),
+            "inputs": {**i.as_dict(), "step_s": sc.step_s, "total_steps": sc.total_steps,
+                       "crashes_per_hour": round(crashes_per_hour(sc), 4), "mix_rates": {
+                           "per_step": sc.per_step, "per_hour": sc.per_hour}}}
+
+
+def format_report(d: dict) -> str:
+    """`orchestrator simulate` as text: both loops' ETT and where the time went, every input stated."""
+    i = d["inputs"]
+    lines = [f"ETT over {d['seeds']} seeded runs of {i['total_steps']} steps x {i['step_s']:g} s, mix {d['mix']} "
+             f"({i['crashes_per_hour']:.3g} training crashes per hour)"]
+    for name in LOOPS:
+        r = d[name]
+        lost = ", ".join(f"{k} {v:.1%}" for k, v in sorted(r["lost"].items(), key=lambda kv: -kv[1]) if v >= 0.0005)
+        lines.append(f"  {name:<12} ETT {r['ett']:.3f} [{r['ett_min']:.3f}, {r['ett_max']:.3f}]  lost: {lost}")
+        if "save_interval_steps" in r:
+            s = r["save_interval_steps"]
+            lines.append(f"  {'':<12} save interval {s['first']} steps at the first launch, {s['min']}-{s['max']} later")
+    speed = i["write_bytes_per_s"] / GIB
+    lines += ["inputs:",
+              f"  orchestrator: {i['orch_save_bytes'] / GIB:,.1f} GiB per save ({i['source']}) at {speed:g} GiB/s = "
+              f"{i['orch_save_s']:.0f} s; save_steps {i['save_steps']}; final merged export "
+              f"{i['orch_final_bytes'] / GIB:,.1f} GiB = {i['final_export_s']:.0f} s; relaunch "
+              + (f"verified ready {i['ready_s']:g} s after the exit (nccl_* at least nccl_settle_s)"
+                 if i["ready_s"] is not None else "after the fixed supervisor.wait_s")
+              + f"; start-up {i['startup_s']:g} s, relaunches x {i['startup_ratio']:g}",
+              f"  plain loop:   {i['plain_save_bytes'] / GIB:,.1f} GiB per save (the field's command: the merged copy "
+              f"at every save) at {speed:g} GiB/s = {i['plain_save_s']:.0f} s; every {i['plain_save_steps']} steps; "
+              f"`sleep {i['plain_wait_s']:g}`; no hang detection; start-up {i['startup_s']:g} s"]
+    return "\n".join(lines)

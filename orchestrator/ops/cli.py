@@ -1,0 +1,415 @@
+"""Command line: plan, run, demo, status, history, classify, verify, sync, report, simulate, install-service.
+
+Exit codes: 0 ok, 1 internal error, 2 bad input (nothing launched), 3 gave up. Every command that
+takes a recipe takes `--set dotted.key=value` overrides, validated like the file.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from orchestrator.config.recipe import Problem, Recipe, RecipeError, load
+from orchestrator.store.rundir import DriftRefused
+from orchestrator.types import ExitCode
+
+RECIPE = click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key.")
+JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def _wants_json() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.params.get("as_json"))
+
+
+def fail(message: str, code: ExitCode = ExitCode.BAD_INPUT, problems: tuple[Problem, ...] = ()) -> None:
+    """One `orchestrator: error:` line per problem on stderr; with --json also the error as JSON on stdout."""
+    if _wants_json():
+        click.echo(json.dumps({"error": message, "problems": [p.as_dict() for p in problems]}, indent=2))
+    for line in message.splitlines() or [""]:
+        click.echo(f"orchestrator: error: {line}", err=True)
+    sys.exit(int(code))
+
+
+def load_recipe(path: Path, overrides: tuple[str, ...]) -> Recipe:
+    from orchestrator.config.render.command import rendering_problems
+
+    try:
+        return load(path, list(overrides), checks=[rendering_problems])
+    except RecipeError as e:
+        fail(str(e), problems=e.problems)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="orchestrator")
+def main() -> None:
+    """Keep multi-day ms-swift LoRA fine-tunes of large MoE models alive."""
+
+
+@main.command()
+@RECIPE
+@SET
+@JSON
+@click.option("--no-probe", is_flag=True, help="Skip the write-speed probe of output_dir and persistent_dir.")
+def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool, no_probe: bool) -> None:
+    """Validate RECIPE; print the exact command, the recipe hash, memory and storage budgets and pre-flight checks."""
+    from orchestrator.ops.plan import plan as make_plan
+
+    p = make_plan(load_recipe(recipe, overrides), probe=not no_probe)
+    code = 0 if p["would_run"] else int(ExitCode.BAD_INPUT)
+    if as_json:
+        click.echo(json.dumps(p, indent=2))
+        sys.exit(code)
+    click.echo("# environment")
+    for k, v in p["env"].items():
+        click.echo(f"export {k}={shlex.quote(v)}")
+    click.echo("# command")
+    click.echo(shlex.join(p["argv"]))
+    click.echo(f"# recipe hash {p['recipe_hash']}")
+    m = p["memory"]
+    cap = f" of {m['capacity_gib']:.1f} GiB, margin {m['margin_gib']:.1f} GiB" if m["capacity_gib"] else ""
+    click.echo(f"# memory per GPU ~{m['total_gib']:.1f} GiB{cap}:")
+    for t in m["terms"]:
+        click.echo(f"#   {t['name']:<22} {t['gib']:7.2f} GiB  {t['detail']}")
+    for note in m["notes"]:
+        click.echo(f"#   note: {note}")
+    _print_storage(p["storage"])
+    si = p["save_interval"]
+    click.echo(f"# save interval: {si['steps']} steps ({si['mode']}): {si['reason']}")
+    click.echo("# pre-flight checks")
+    for c in p["checks"]:
+        click.echo(f"  [{'ok' if c['ok'] else 'NOT OK'}] {c['name']}: {c['detail']}")
+    failed = [c["name"] for c in p["checks"] if not c["ok"] and c["fatal"]]
+    click.echo(f"run would stop at pre-flight: {', '.join(failed)} failed (fix, then plan again)" if failed
+               else f"run would start: `orchestrator run {shlex.quote(str(recipe))}`")
+    sys.exit(code)
+
+
+def _print_storage(s: dict) -> None:
+    from orchestrator.domain.storage import gib
+
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in s["per_save_bytes"].items())
+    click.echo(f"# storage per save {gib(sum(s['per_save_bytes'].values()))}: {parts}")
+    if s["final_merged_bytes"]:
+        click.echo(f"#   merged model after the last step (checkpoint.merge = \"final\"): {gib(s['final_merged_bytes'])}")
+    click.echo(f"#   output_dir needs {gib(s['local_bytes'])}: keep_local {s['keep_local']} ({s['keep_local_source']}) "
+               "+ 1 being written" + ("; then the merged export" if s["final_merged_bytes"] else ""))
+    if s["persistent_bytes"] is not None:
+        click.echo(f"#   persistent_dir needs {gib(s['persistent_bytes'])}; publishing {gib(s['published_per_save_bytes'])} "
+                   f"every {s['save_interval_s'] / 60:.0f} min needs {s['publish_bytes_per_s'] / 2**20:,.0f} MiB/s "
+                   f"(step {s['step_time_s']:g} s: {s['step_time_source']})")
+    for name, d in s["disks"].items():
+        speed = f"writes {d['write_bytes_per_s'] / 2**20:,.0f} MiB/s, {d['seconds_per_save']:,.0f} s per save" \
+            if d["write_bytes_per_s"] else d["probe"]
+        click.echo(f"#   {name} {d['path']}: {gib(d['free_bytes'])} free; {speed}")
+    for note in s["notes"]:
+        click.echo(f"#   note: {note}")
+
+
+@main.command()
+@RECIPE
+@SET
+def run(recipe: Path, overrides: tuple[str, ...]) -> None:
+    """Run RECIPE supervised: launch, watch, classify, recover, restart, until done."""
+    r = load_recipe(recipe, overrides)
+    sys.exit(int(supervise(r)))
+
+
+def supervise(r: Recipe, on_start=None) -> ExitCode:
+    from orchestrator.ops.report import summary
+    from orchestrator.supervisor import Supervisor
+
+    sup = Supervisor(r, echo=lambda line: click.echo(line, err=True))
+    if on_start:
+        on_start(sup)
+    try:
+        code = sup.run()
+    except RecipeError as e:
+        fail(str(e), ExitCode.GAVE_UP if isinstance(e, DriftRefused) else ExitCode.BAD_INPUT, e.problems)
+    click.echo(summary(sup.recipe))
+    return code
+
+
+@main.command()
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".demo"),
+              show_default=True, help="Where the tiny model, data, run and the demo's recipe file go.")
+@click.option("--crash-at", type=int, default=15, show_default=True,
+              help="SIGKILL the trainer at this step of the first attempt (0: no injected crash).")
+@SET
+def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
+    """Build a tiny MoE locally and run the demo recipe supervised, with one injected crash.
+
+    The recipe it runs is written to WORKDIR/demo-cpu.toml (--set overrides folded in): give it to
+    status, history, report and run."""
+    import shutil
+    from importlib.resources import files
+
+    from orchestrator.ops import demo as guide
+    from orchestrator.ops import tiny
+    from orchestrator.store.rundir import state_dir
+
+    workdir = workdir.resolve()
+    packaged = Path(str(files("orchestrator") / "data" / "demo-cpu.toml"))
+    # Bad --set values fail here, before the build, attributed to --set.
+    load_recipe(packaged, (f"model.path={json.dumps(str(workdir / 'tiny-moe'))}",
+                           f"data.dataset=[{json.dumps(str(workdir / 'data.jsonl'))}]", *overrides))
+    click.echo(f"building the tiny MoE model and dataset in {workdir} (offline) ...")
+    tiny.build(workdir)
+    shutil.rmtree(workdir / "run", ignore_errors=True)  # a fresh demo run each time
+    path = guide.write_recipe(packaged, workdir, overrides)
+    r = load_recipe(path, ())
+    click.echo(f"wrote the demo recipe to {path}")
+    click.echo(f"running {r.run.name}: {r.optim.iterations} steps, checkpoint every {r.checkpoint.save_steps}"
+               + (" (chosen at each launch)" if r.checkpoint.save_steps == "auto" else "")
+               + (f"; a SIGKILL will hit the trainer once it reaches step {crash_at}" if crash_at else ""))
+    started: list = []
+
+    def on_start(sup) -> None:
+        started.append(sup)
+        if crash_at:
+            guide.inject_kill(sup, crash_at, say=click.echo)
+    code = supervise(r, on_start=on_start)
+    out = Path(started[0].recipe.run.output_dir)  # where it really ran (a drifted recipe runs beside it)
+    click.echo(guide.next_steps(path, state_dir(out) / "report.html", Path.cwd()))
+    sys.exit(int(code))
+
+
+def _journal_for(recipe: Path, overrides: tuple[str, ...]):
+    from orchestrator.host.journal import Journal, journal_path
+    from orchestrator.store.rundir import place, state_dir
+    from orchestrator.config.recipe import recipe_hash, semantic_view
+
+    r = load_recipe(recipe, overrides)
+    try:
+        out = place(r.run.output_dir, recipe_hash(r), semantic_view(r), "fresh").output_dir
+    except RecipeError:
+        out = Path(r.run.output_dir)
+    path = journal_path(state_dir(out))
+    if not path.exists():
+        fail(f"{out}: no journal yet (has `orchestrator run {recipe}` started?)")
+    return r, Journal(path, readonly=True)
+
+
+@main.command()
+@RECIPE
+@SET
+@JSON
+@click.option("--watch", is_flag=True, help="Refresh every 2 s until interrupted.")
+def status(recipe: Path, overrides: tuple[str, ...], as_json: bool, watch: bool) -> None:
+    """Live state of a run (reads the journal; works while the supervisor runs)."""
+    from orchestrator.ops.report import status_data, status_view
+
+    r, j = _journal_for(recipe, overrides)
+    if as_json:
+        click.echo(json.dumps(status_data(r, j), indent=2, default=str))
+    else:
+        status_view(r, j, watch=watch)
+
+
+@main.command()
+@RECIPE
+@SET
+@JSON
+def history(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Every attempt of a run: exit, class, steps, resume point; goodput."""
+    from orchestrator.ops.report import history_data, history_table
+
+    r, j = _journal_for(recipe, overrides)
+    data = history_data(r, j)
+    click.echo(json.dumps(data, indent=2, default=str) if as_json else history_table(data))
+
+
+@main.command(name="classify")
+@click.argument("logfile", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--exit-code", type=int, default=None, help="The trainer's exit code (negative: signal).")
+@click.option("--phase", type=click.Choice(["startup", "training"]), default=None,
+              help="Whether the attempt had completed a training step (when you know it; else read from the log).")
+@JSON
+def classify_cmd(logfile: Path, exit_code: int | None, phase: str | None, as_json: bool) -> None:
+    """Classify a crash log offline."""
+    from orchestrator.domain.classify import classify
+    from orchestrator.types import ExitStatus, Phase
+
+    try:
+        text = logfile.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        fail(f"{logfile}: cannot read ({e.strerror})")
+    crash = classify(text, ExitStatus.from_returncode(exit_code) if exit_code is not None else None,
+                     Phase(phase) if phase else None)
+    if as_json:
+        click.echo(json.dumps({"class": crash.cls.value, "evidence": list(crash.evidence), "phase": crash.phase.value}))
+    else:
+        click.echo(f"{crash.cls.value} ({crash.phase.value})")
+        for line in crash.evidence:
+            click.echo(f"  {line}")
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), help="Check LoRA rank/targets against it.")
+@click.option("--checksum", is_flag=True, help="Also compare every file's sha256 with the manifest.")
+@JSON
+def verify(path: Path, recipe: Path | None, checksum: bool, as_json: bool) -> None:
+    """Verify a checkpoint (directory, safetensors file, or an output dir's newest). Exit 2 if bad."""
+    from orchestrator.store.checkpoints import LoraExpect, verify_report
+
+    expect, backend = None, None
+    if recipe:
+        r = load_recipe(recipe, ())
+        expect, backend = LoraExpect(r.lora.rank, r.lora.alpha, tuple(r.lora.target_modules)), r.run.backend
+    rep = verify_report(path, expect, checksum, backend=backend)
+    if as_json:
+        click.echo(json.dumps(rep))
+    else:
+        what = ", ".join(x for x in (rep["kind"] and f"{rep['kind']} sft checkpoint",
+                                     rep["step"] is not None and f"step {rep['step']}") if x)
+        click.echo(f"{'ok' if rep['ok'] else 'NOT OK'}: {path}" + (f" ({what})" if what else ""))
+        for p in rep["problems"]:
+            click.echo(f"  {p}")
+    sys.exit(0 if rep["ok"] else int(ExitCode.BAD_INPUT))
+
+
+@main.command()
+@RECIPE
+@SET
+@click.option("--once", is_flag=True, required=True, help="One pass, for cron/timers.")
+@JSON
+def sync(recipe: Path, overrides: tuple[str, ...], once: bool, as_json: bool) -> None:
+    """Publish verified checkpoints to persistent_dir (atomic, incremental)."""
+    from orchestrator.store.publisher import sync_recipe
+
+    r = load_recipe(recipe, overrides)
+    if not r.run.persistent_dir:
+        fail("run.persistent_dir is not set in the recipe: nothing to sync to")
+    try:
+        result = sync_recipe(r)
+    except RecipeError as e:  # another supervisor publishes into this run's directory
+        fail(str(e))
+    if as_json:
+        click.echo(json.dumps(result, default=str))
+    else:
+        click.echo(f"published {result['copied']} checkpoint(s), {result['bytes']} bytes; problems: {len(result['problems'])}")
+        for p in result["problems"]:
+            click.echo(f"  {p}")
+    sys.exit(0 if not result["problems"] else 1)
+
+
+@main.command()
+@RECIPE
+@SET
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="HTML file (default: <output_dir>/.orchestrator/report.html).")
+def report(recipe: Path, overrides: tuple[str, ...], output: Path | None) -> None:
+    """Write a self-contained HTML report: loss curve, crashes and restarts, goodput."""
+    from orchestrator.ops.report import write_html
+
+    r, j = _journal_for(recipe, overrides)
+    click.echo(write_html(r, j, output))
+
+
+@main.command(name="sbatch")
+@RECIPE
+@SET
+@click.option("--dry-run", is_flag=True, help="Print the batch script; submit nothing.")
+def sbatch_cmd(recipe: Path, overrides: tuple[str, ...], dry_run: bool) -> None:
+    """Write RECIPE's Slurm batch script (parallel.nnodes nodes) and submit it with sbatch."""
+    from orchestrator.host.launch import sbatch
+
+    r = load_recipe(recipe, overrides)
+    text = sbatch.script(r, recipe, overrides)
+    if dry_run:
+        click.echo(text, nl=False)
+        return
+    path = Path(r.run.output_dir) / f"{r.run.name}.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    try:
+        job = sbatch.submit(path)
+    except (OSError, RuntimeError) as e:
+        fail(f"{e}; check that you are on a Slurm login node", ExitCode.BAD_INPUT)
+    click.echo(f"submitted {path} as job {job}")
+
+
+@main.command(name="install-service")
+@RECIPE
+@click.option("--name", help="systemd instance name (default: run.name).")
+@click.option("--dry-run", is_flag=True, help="Print what would be written; write nothing.")
+@click.option("--unit-dir", default="/etc/systemd/system", show_default=True)
+@click.option("--etc-dir", default="/etc/orchestrator", show_default=True)
+def install_service_cmd(recipe: Path, name: str | None, dry_run: bool, unit_dir: str, etc_dir: str) -> None:
+    """Install RECIPE as the systemd service orchestrator@NAME."""
+    from orchestrator.ops.service import install_service
+
+    r = load_recipe(recipe, ())
+    try:
+        result = install_service(recipe, name=name or r.run.name, unit_dir=unit_dir, etc_dir=etc_dir, dry_run=dry_run)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+    click.echo(result.text())
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@SET
+@JSON
+@click.option("--mix", type=click.Choice(["field", "harsh"]), default="field", show_default=True,
+              help="The crash mix (orchestrator/domain/simulate.py FIELD, HARSH).")
+@click.option("--crash-rate", type=float, default=None, help="Training crashes per hour (the mix's proportions kept).")
+@click.option("--save-steps", default=None, help="The orchestrator's interval: auto or N (default: the recipe's, else auto).")
+@click.option("--write-gib-s", type=float, default=1.0, show_default=True, help="Checkpoint write speed, GiB/s.")
+@click.option("--ready-s", type=float, default=None, help="Verified-ready relaunch after an exit, s (default 5).")
+@click.option("--fixed-wait", is_flag=True, help="The orchestrator waits its fixed supervisor.wait_s instead.")
+@click.option("--startup-ratio", type=float, default=1.0, show_default=True,
+              help="A relaunch's start-up / the first one's, as measured (1: the documented 8 minutes each time).")
+@click.option("--seeds", type=int, default=200, show_default=True)
+def simulate(recipe: Path | None, overrides: tuple[str, ...], as_json: bool, mix: str, crash_rate: float | None,
+             save_steps: str | None, write_gib_s: float, ready_s: float | None, fixed_wait: bool,
+             startup_ratio: float, seeds: int) -> None:
+    """ETT of a long run kept alive by the orchestrator vs the field's plain restart loop (a seeded model).
+
+    Save cost from RECIPE's storage budget (default: the shipped Qwen3.5-397B recipe's numbers) at
+    --write-gib-s; the plain loop is the field's procedure: the merged copy at every save, every 100
+    steps, `sleep 90`, no hang detection."""
+    from orchestrator.domain import simulate_report as S
+
+    if save_steps is not None and save_steps != "auto" and not (save_steps.isdigit() and int(save_steps) > 0):
+        fail(f"--save-steps must be auto or a positive number of steps, got {save_steps!r}")
+    for name, v in (("--crash-rate", crash_rate), ("--write-gib-s", write_gib_s), ("--ready-s", ready_s),
+                    ("--startup-ratio", startup_ratio), ("--seeds", seeds)):
+        if v is not None and (v < 0 or (v == 0 and name != "--crash-rate" and name != "--ready-s")):
+            fail(f"{name} must be {'>= 0' if name in ('--crash-rate', '--ready-s') else '> 0'}, got {v}")
+    given = {"write_bytes_per_s": write_gib_s * 2**30, "crash_rate_per_h": crash_rate, "startup_ratio": startup_ratio,
+             "ready_s": None if fixed_wait else (S.DEFAULT_READY_S if ready_s is None else ready_s)}
+    if recipe is not None:
+        given |= _simulate_bytes(load_recipe(recipe, overrides))
+    steps = save_steps or given.pop("recipe_save_steps", "auto")
+    given.pop("recipe_save_steps", None)
+    d = S.ett_report(S.MIXES[mix],
+                     S.Inputs(save_steps=steps if steps == "auto" else int(steps), **given), seeds)
+    click.echo(json.dumps(d, indent=2) if as_json else S.format_report(d))
+
+
+def _simulate_bytes(r: Recipe) -> dict:
+    """Save bytes from a recipe's storage budget; the plain loop's from the same recipe with the field's merged copy."""
+    from orchestrator.ops import plan as P
+    from orchestrator.domain import storage
+
+    cfg, total = P.model_config(r)
+    own = storage.budget(r, cfg, total)
+    field = storage.budget(r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"merge": "every_save"})}),
+                           cfg, total)
+    return {"orch_save_bytes": sum(own.per_save_bytes.values()), "orch_final_bytes": own.final_merged_bytes,
+            "plain_save_bytes": sum(field.per_save_bytes.values()), "source": f"storage budget of {r.run.name}",
+            "recipe_save_steps": r.checkpoint.save_steps}
+
+
+@main.command(name="build-tiny")
+@click.argument("workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".demo"))
+def build_tiny(workdir: Path) -> None:
+    """Build the tiny MoE model, tokenizer and chat dataset locally (no network)."""
+    from orchestrator.ops import tiny
+
+    click.echo(json.dumps(tiny.build(workdir.resolve())))

@@ -1,0 +1,245 @@
+"""The `orchestrator report` page: one self-contained HTML file (inline CSS and SVG, no scripts, no
+external resources) rendered from report.report_data(). Every string from logs or the journal is
+escaped: crash evidence is arbitrary trainer output.
+"""
+from __future__ import annotations
+
+import html
+import math
+import time
+from pathlib import Path
+
+from orchestrator.domain.goodput import LOST_CAUSES
+
+MAX_POINTS = 20_000  # beyond this the loss polyline is thinned (a browser copes, a reader cannot tell)
+W, H = 960, 380
+ML, MR, MT, MB = 64, 24, 90, 44  # plot margins; the top one holds crash labels
+
+CLASS_COLORS = {
+    "cold_start_oom": "#f28e2b", "fla_backward_oom": "#e15759", "oom_during_training": "#ff9d9a",
+    "nccl_error": "#4e79a7", "nccl_timeout_hang": "#76b7b2", "port_in_use": "#59a14f",
+    "host_oom_killed": "#b07aa1", "disk_full": "#9c755f", "cuda_fatal": "#d62728", "nan_loss": "#edc948",
+    "other": "#7f7f7f",
+}
+CAUSE_COLORS = {"productive": "#2e9d5b", "startup": "#f2c14e", "lost_progress": "#e4572e", "wait": "#9aa5b1",
+                "hang": "#8e44ad", "cleanup": "#3a86ff", "other": "#d0d0d0"}
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px auto;max-width:1000px;
+color:#1d2329;background:#fff;padding:0 16px}
+h1{font-size:22px;margin:0 0 6px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #e3e6ea;padding-bottom:4px}
+dl.meta{display:grid;grid-template-columns:max-content 1fr;gap:2px 14px;margin:8px 0}
+dl.meta dt{color:#5b6570}dl.meta dd{margin:0;font-family:ui-monospace,Menlo,Consolas,monospace;word-break:break-all}
+.state{font-weight:600}.state.completed,.state.running{color:#2e9d5b}.state.gave_up{color:#c0392b}
+table{border-collapse:collapse;width:100%;font-size:13px}th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eceff2;
+vertical-align:top}th{background:#f6f8fa;font-weight:600}td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+td.nw{white-space:nowrap}
+.chip{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px;vertical-align:-1px}
+.legend span.item{margin-right:16px;white-space:nowrap;font-size:13px}.ev{color:#5b6570;font-family:ui-monospace,Menlo,
+monospace;font-size:12px;word-break:break-word}svg{display:block;width:100%;height:auto}
+svg text{font:11px system-ui,sans-serif;fill:#3d4650}.muted{color:#8a939c}
+"""
+
+
+def e(s: object) -> str:
+    return html.escape("" if s is None else str(s), quote=True)
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def fmt_num(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 or v == int(v) else f"{v:.3g}"
+
+
+def fmt_s(s: float) -> str:
+    s = float(s)
+    if s < 120:
+        return f"{s:.1f} s"
+    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    if len(points) <= MAX_POINTS:
+        return points
+    stride = math.ceil(len(points) / MAX_POINTS)
+    return points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
+
+
+def loss_chart(d: dict) -> str:
+    pts = thin(d["losses"])
+    marks = [c["step"] for c in d["crashes"]] + [r["step"] for r in d["restarts"]] + [c["step"] for c in d["checkpoints"]]
+    x1 = max([d["max_steps"] or 0, 1] + [s for s, _ in pts] + marks)
+    ys = [v for _, v in pts]
+    y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
+    pad = (y1 - y0) * 0.06 or 0.5
+    y0, y1 = y0 - pad, y1 + pad
+    pw, ph = W - ML - MR, H - MT - MB
+
+    def X(step: float) -> float:
+        return ML + pw * step / x1
+
+    def Y(v: float) -> float:
+        return MT + ph * (1 - (v - y0) / (y1 - y0))
+
+    out = [f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="loss over steps">',
+           f'<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" fill="#fbfcfd" stroke="#d5dae0"/>']
+    for t in nice_ticks(y0, y1):
+        out.append(f'<line x1="{ML}" x2="{ML + pw}" y1="{Y(t):.1f}" y2="{Y(t):.1f}" stroke="#eceff2"/>'
+                   f'<text x="{ML - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>')
+    for t in nice_ticks(0, x1, 8):
+        out.append(f'<line x1="{X(t):.1f}" x2="{X(t):.1f}" y1="{MT + ph}" y2="{MT + ph + 4}" stroke="#8a939c"/>'
+                   f'<text x="{X(t):.1f}" y="{MT + ph + 17}" text-anchor="middle">{fmt_num(t)}</text>')
+    out.append(f'<text x="{ML + pw / 2}" y="{H - 6}" text-anchor="middle">step</text>'
+               f'<text x="14" y="{MT + ph / 2}" transform="rotate(-90 14 {MT + ph / 2})" text-anchor="middle">loss</text>')
+    for r in d["restarts"]:
+        x = X(r["step"])
+        what = f"resumed from {r['resumed_from']}" if r["resumed_from"] else "started fresh"
+        tip = f"attempt {r['n']}: restart at step {r['step']}, {what}"
+        out.append(f'<g class="restart"><title>{e(tip)}</title>'
+                   f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{MT}" y2="{MT + ph}" stroke="#6c7a89" stroke-width="1.5"'
+                   f' stroke-dasharray="5 4"/><rect x="{x - 4:.1f}" y="{MT}" width="8" height="{ph}" fill="transparent"/></g>')
+    if pts:
+        coords = " ".join(f"{X(s):.1f},{Y(v):.1f}" for s, v in pts)
+        out.append(f'<polyline class="loss" fill="none" stroke="#1f5fa8" stroke-width="1.6" stroke-linejoin="round"'
+                   f' points="{coords}"><title>loss, {len(pts)} logged steps</title></polyline>')
+    else:
+        out.append(f'<text x="{ML + pw / 2}" y="{MT + ph / 2}" text-anchor="middle" class="muted">'
+                   'no loss logged yet</text>')
+    for s in d["nan_steps"]:
+        out.append(f'<g class="nan"><title>{e(f"step {s}: loss is NaN/inf")}</title><text x="{X(s):.1f}" y="{MT + 12}"'
+                   f' text-anchor="middle" style="fill:#c0392b;font-weight:700">×</text></g>')
+    for c in d["checkpoints"]:
+        x, y = X(c["step"]), MT + ph
+        state = ("verified" if c["ok"] else "INVALID: " + "; ".join(c["problems"])) + (", synced" if c["synced"] else "")
+        fill = "#2e9d5b" if c["ok"] else "#c0392b"
+        tip = f"checkpoint-{c['step']}: {state}"
+        out.append(f'<g class="checkpoint"><title>{e(tip)}</title>'
+                   f'<path d="M{x:.1f},{y - 11:.1f} l5,9 h-10 z" fill="{fill if c["synced"] or not c["ok"] else "#fff"}"'
+                   f' stroke="{fill}" stroke-width="1.5"/></g>')
+    for c in d["crashes"]:
+        x, col = X(c["step"]), CLASS_COLORS.get(c["class"], "#7f7f7f")
+        side, anchor = (-1, "end") if x > ML + pw * 0.8 else (1, "start")  # labels near the right edge lean left
+        tip = f"attempt {c['n']} crashed at step {c['step']}: {c['class']}" + (f"\n{c['evidence']}" if c["evidence"] else "")
+        out.append(f'<g class="crash" data-class="{e(c["class"])}"><title>{e(tip)}</title>'
+                   f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{MT - 4}" y2="{MT + ph}" stroke="{col}" stroke-width="2.2"/>'
+                   f'<circle cx="{x:.1f}" cy="{MT - 4}" r="4" fill="{col}"/>'
+                   f'<text x="{x + 4 * side:.1f}" y="{MT - 10}" transform="rotate({-32 * side} {x + 4 * side:.1f} {MT - 10})"'
+                   f' text-anchor="{anchor}" style="fill:{col};font-weight:600">{e(c["class"])}</text>'
+                   f'<rect x="{x - 5:.1f}" y="{MT - 8}" width="10" height="{ph + 8}" fill="transparent"/></g>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def chart_legend(d: dict) -> str:
+    items = [f'<span class="item"><span class="chip" style="background:#1f5fa8"></span>loss '
+             f'({len(d["losses"])} steps)</span>',
+             '<span class="item"><span class="chip" style="border:1.5px dashed #6c7a89;background:none"></span>'
+             f'restart ({len(d["restarts"])})</span>',
+             '<span class="item"><span class="chip" style="background:#2e9d5b"></span>checkpoint (filled: synced)</span>']
+    seen: dict[str, int] = {}
+    for c in d["crashes"]:
+        seen[c["class"]] = seen.get(c["class"], 0) + 1
+    items += [f'<span class="item"><span class="chip" style="background:{CLASS_COLORS.get(k, "#7f7f7f")}"></span>'
+              f'{e(k)} ×{n}</span>' for k, n in seen.items()]
+    return '<p class="legend">' + "".join(items) + "</p>"
+
+
+def goodput_section(g: dict) -> str:
+    total = g["total_s"] or 0.0
+    parts = [("productive", g["productive_s"])] + [(k, g["lost_s"].get(k, 0.0)) for k in LOST_CAUSES]
+    out = [f'<p><b>goodput {g["ratio"]:.1%}</b>: {fmt_s(g["productive_s"])} productive of {fmt_s(total)}'
+           f' (lost {fmt_s(max(0.0, total - g["productive_s"]))})</p>',
+           f'<svg class="goodput" viewBox="0 0 {W} 34" width="{W}" height="34" role="img" aria-label="goodput">']
+    x = 0.0
+    for name, secs in parts:
+        if total <= 0 or secs <= 0:
+            continue
+        w = W * secs / total
+        out.append(f'<rect class="seg" data-cause="{name}" x="{x:.2f}" y="2" width="{w:.2f}" height="30"'
+                   f' fill="{CAUSE_COLORS[name]}"><title>{e(f"{name}: {secs:.1f} s ({secs / total:.1%})")}</title></rect>')
+        x += w
+    out.append("</svg><table><tr><th>time</th><th class=num>seconds</th><th class=num>share</th></tr>")
+    for name, secs in parts:
+        share = f"{g['ratio'] if name == 'productive' else secs / total:.1%}" if total > 0 else "-"
+        out.append(f'<tr><td><span class="chip" style="background:{CAUSE_COLORS[name]}"></span>{name}</td>'
+                   f'<td class=num>{secs:.1f}</td><td class=num>{share}</td></tr>')
+    out.append(f'<tr><th>total</th><th class=num>{total:.1f}</th><th class=num></th></tr></table>')
+    return "".join(out)
+
+
+def exit_text(a: dict) -> str:
+    if a["signal"] is not None:
+        return f"signal {a['signal']}"
+    return "" if a["exit_code"] is None else f"exit {a['exit_code']}"
+
+
+def attempts_table(attempts: list[dict]) -> str:
+    out = ["<table><tr><th class=num>#</th><th>started</th><th class=num>ran</th><th>steps</th><th>exit</th>"
+           "<th>class</th><th class=num>start-up</th><th class=num>saves</th><th>resumed from</th><th>evidence</th></tr>"]
+    for a in attempts:
+        ran = fmt_s(a["ended_at"] - a["started_at"]) if a["ended_at"] else "running"
+        steps = f"{a['start_step'] or 0} → {a['end_step'] if a['end_step'] is not None else '?'}"
+        cls = (f'<span class="chip" style="background:{CLASS_COLORS.get(a["class"], "#7f7f7f")}"></span>{e(a["class"])}'
+               if a["class"] else '<span class="muted">-</span>')
+        ev = a["evidence"][0] if a["evidence"] else ""
+        out.append(f"<tr><td class=num>{a['n']}</td><td class=nw>{e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a['started_at'])))}"
+                   f"</td><td class=num>{e(ran)}</td><td class=nw>{e(steps)}</td><td class=nw>{e(exit_text(a))}</td>"
+                   f"<td class=nw>{cls}</td>"
+                   f"<td class=num>{e(fmt_s(a['startup_s']) if a.get('startup_s') is not None else '-')}</td>"
+                   f"<td class=num>{e(save_text(a))}</td>"
+                   f"<td class=ev title=\"{e(a['resumed_from'] or '')}\">{e(Path(a['resumed_from']).name if a['resumed_from'] else '-')}</td>"
+                   f"<td class=ev title=\"{e(chr(10).join(a['evidence']))}\">{e(ev[:240])}</td></tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def save_text(a: dict) -> str:
+    """One attempt's measured saves: mean seconds x count."""
+    return f"{fmt_s(a['save_s'])} × {a['save_count']}" if a.get("save_s") is not None and a.get("save_count") else "-"
+
+
+def costs_section(c: dict) -> str:
+    """Start-up and save costs as measured (costs.py), and the checkpoint interval in use."""
+    start = (f"start-up {fmt_s(c['startup_s_last'])} (last), {fmt_s(c['startup_s_mean'])} mean of {c['starts']}"
+             if c["starts"] else "start-up not measured yet")
+    save = f"save {fmt_s(c['save_s_mean'])} mean of {c['saves']}" if c["saves"] else "no save measured yet"
+    every = f"; a checkpoint every {c['save_interval_steps']} steps" if c.get("save_interval_steps") else ""
+    return f"<p>{e(start)}; {e(save)}{e(every)}</p>"
+
+
+def events_list(events: list[dict]) -> str:
+    rows = "".join(f"<tr><td>{e(time.strftime('%H:%M:%S', time.localtime(ev['at'])))}</td><td>{e(ev['kind'])}</td>"
+                   f"<td class=ev>{e(ev['message'])}</td></tr>" for ev in events)
+    return f"<table><tr><th>time</th><th>kind</th><th>message</th></tr>{rows}</table>"
+
+
+def render(d: dict) -> str:
+    steps = f"{d['step'] if d['step'] is not None else '?'} / {d['max_steps'] or '?'}"
+    meta = [("recipe hash", d["recipe_hash"]), ("backend", d["backend"]), ("model", d["model"]),
+            ("steps", steps), ("goodput", f"{d['goodput']['ratio']:.1%}"), ("attempts", len(d["attempts"])), ("crashes", len(d["crashes"])),
+            ("output dir", d["output_dir"]),
+            ("generated", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(d["generated_at"])))]
+    if d["exit_reason"]:
+        meta.insert(0, ("reason", d["exit_reason"]))
+    state = d["state"] or "unknown"
+    return "".join([
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{e(d['run'])}: orchestrator report</title><style>{CSS}</style></head><body>",
+        f'<h1>{e(d["run"])} <span class="state {e(state)}">{e(state)}</span></h1><dl class="meta">',
+        "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in meta), "</dl>",
+        "<h2>Loss</h2>", loss_chart(d), chart_legend(d),
+        "<h2>Goodput</h2>", goodput_section(d["goodput"]),
+        *(["<h2>Costs</h2>", costs_section(d["costs"])] if d.get("costs") else []),
+        "<h2>Attempts</h2>", attempts_table(d["attempts"]),
+        "<h2>Recent events</h2>", events_list(d["events"]),
+        "</body></html>\n",
+    ])

@@ -1,5 +1,0 @@
-"""Rendering: (recipe, resume point, port) -> Command. Pure.
-
-Imports `orchestrator.recipe`, never the other way round: the flag tables the recipe checks against
-live in `orchestrator.flags`.
-"""

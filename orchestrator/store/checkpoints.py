@@ -1,0 +1,511 @@
+"""Checkpoint discovery and header-level integrity checks (manifests: orchestrator/store/manifest.py).
+
+Reads files only. Pure decision helpers
+(`check_header`, `completeness`, `check_adapter_config`, `pick_resume`) are separate from the I/O.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.domain import progress
+from orchestrator.store.manifest import manifest_matches, read_manifest
+from orchestrator.types import CheckpointInfo
+
+try:  # imported here, not on first use: the first check must not stall the supervisor's loop
+    import numpy  # noqa: F401  (safe_open's numpy framework needs it)
+    from safetensors import safe_open
+except ImportError:  # without them only our own header parse runs
+    safe_open = None
+
+CKPT_RE = re.compile(r"checkpoint-(\d+)")
+MERGED_RE = re.compile(r"checkpoint-(\d+)-merged")
+
+
+def step_of(name: str | os.PathLike) -> int:
+    """The step in a `checkpoint-N` (or `checkpoint-N-merged`, `checkpoint-N.nan-...`) name or path."""
+    return int(re.match(r"checkpoint-(\d+)", Path(name).name).group(1))
+ITER_DIR_RE = re.compile(r"iter_(\d{7,})")
+ITER_FILE = "latest_checkpointed_iteration.txt"
+MAX_HEADER = 100_000_000  # the safetensors library's own limit
+REDO = "do not resume from it; use an earlier checkpoint"
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+    "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
+    "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+
+@dataclass(frozen=True)
+class LoraExpect:
+    """What the recipe says the adapter must look like (None = do not check)."""
+
+    rank: int | None = None
+    alpha: int | None = None
+    targets: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Verification:
+    ok: bool
+    step: int | None
+    complete: bool
+    problems: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()      # safetensors files whose headers were checked, relative to path
+    tensors: int = 0
+    path: str = ""
+    kind: str | None = None          # the backend that wrote it, read from its files ("swift", "megatron")
+
+    def to_info(self, merged_path: str | None = None, loss: float | None = None) -> CheckpointInfo:
+        return CheckpointInfo(path=self.path, step=self.step if self.step is not None else -1,
+                              complete=self.complete, ok=self.ok, problems=self.problems,
+                              merged_path=merged_path, loss=loss)
+
+
+def _kb(n: int) -> str:
+    return f"{n / 1024:.1f} KB" if n < 1 << 20 else f"{n / (1 << 30):.2f} GiB"
+
+
+# ---------------------------------------------------------------- pure checks
+
+def check_header(header: Any, header_len: int, file_len: int, name: str) -> tuple[list[str], list[str]]:
+    """(problems, tensor names) for a parsed safetensors header of a file of `file_len` bytes."""
+    if not isinstance(header, dict):
+        return [f"{name}: header is not a JSON object; {REDO}"], []
+    spans, problems = [], []
+    for key, t in header.items():
+        if key == "__metadata__":
+            continue
+        if not (isinstance(t, dict) and isinstance(t.get("shape"), list)
+                and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+                and all(isinstance(x, int) and x >= 0 for x in t["shape"] + t["data_offsets"])):
+            problems.append(f"{name}: tensor '{key}' has a malformed header entry; {REDO}")
+            continue
+        bits = _DTYPE_BITS.get(t.get("dtype"))
+        begin, end = t["data_offsets"]
+        numel = 1
+        for d in t["shape"]:
+            numel *= d
+        if bits is None:
+            problems.append(f"{name}: tensor '{key}' has unknown dtype {t.get('dtype')!r}; {REDO}")
+        elif end < begin or numel * bits != (end - begin) * 8:
+            problems.append(f"{name}: tensor '{key}' {t['dtype']}{t['shape']} needs {numel * bits // 8} bytes "
+                            f"but data_offsets span {end - begin}; {REDO}")
+        spans.append((begin, end, key))
+    names = [k for k in header if k != "__metadata__"]
+    if not names:
+        return [(f"{name}: holds no tensors (header only, {_kb(file_len)}): the save wrote no weights; check "
+                 f"the save settings (save_safetensors, mcore-bridge version); {REDO}")], []
+    data_len = file_len - 8 - header_len
+    max_end = max((e for _, e, _ in spans), default=0)
+    if max_end > data_len:
+        key = max(spans, key=lambda s: s[1])[2]
+        problems.append(f"{name}: truncated: tensor '{key}' ends at byte {max_end} of the data region but only "
+                        f"{data_len} bytes follow the header (copy or save cut short); {REDO}")
+    elif max_end < data_len:
+        problems.append(f"{name}: {data_len - max_end} bytes of trailing garbage after the last tensor "
+                        f"(overwritten or appended file); {REDO}")
+    expected = 0
+    for begin, end, key in sorted(spans):
+        if begin != expected:
+            problems.append(f"{name}: tensor '{key}' starts at {begin}, expected {expected} "
+                            f"(overlapping or gapped tensors); {REDO}")
+            break
+        expected = end
+    return problems, names
+
+
+def completeness(backend: str | None, names: set[str], step: int, last_step: int | None,
+                 merged: bool = False, newer_exists: bool = False) -> str | None:
+    """None when checkpoint-`step` (whose entries are `names`) counts as fully written, else why not.
+
+    `last_step` is the step `<output_dir>/last-checkpoint` points at; the trainer moves it only after a
+    save is durable, so it (or a newer one) proves completeness for both backends.
+    """
+    if last_step is not None and last_step >= step:
+        return None
+    if merged:
+        # the merge of N finishes before checkpoint-(N+k) starts; otherwise weights + config must be there
+        if newer_exists or ("config.json" in names and names & {"model.safetensors", "model.safetensors.index.json"}):
+            return None
+        return "merged weights or config.json missing"
+    megatron_ok = ITER_FILE in names and ("adapter_model.safetensors" not in names or "adapter_config.json" in names)
+    if backend in (None, "megatron") and megatron_ok:
+        return None
+    if backend in (None, "swift") and "trainer_state.json" in names:
+        return None
+    if backend == "megatron":
+        return f"{ITER_FILE} missing" if ITER_FILE not in names else "adapter_config.json missing"
+    return "trainer_state.json missing and last-checkpoint does not point at it or later"
+
+
+def check_adapter_config(cfg: Any, expect: LoraExpect | None, name: str) -> list[str]:
+    if not isinstance(cfg, dict):
+        return [f"{name}: not a JSON object; {REDO}"]
+    if expect is None:
+        return []
+    problems = []
+    for key, want, flag in (("r", expect.rank, "lora_rank"), ("lora_alpha", expect.alpha, "lora_alpha")):
+        if want is not None and cfg.get(key) != want:
+            problems.append(f"{name}: {key}={cfg.get(key)!r} but the recipe expects {flag}={want}: the adapter "
+                            f"belongs to a different recipe; do not resume from it with this recipe")
+    if expect.targets is not None:
+        have = cfg.get("target_modules")
+        if tuple(expect.targets) == ("all-linear",):
+            good = have == "all-linear" or isinstance(have, list)
+        else:
+            good = isinstance(have, list) and set(expect.targets) <= set(have)
+        if not good:
+            problems.append(f"{name}: target_modules={have!r} does not cover the recipe's {list(expect.targets)}; "
+                            f"do not resume from it with this recipe")
+    return problems
+
+
+def pick_resume(infos: Sequence[CheckpointInfo], manifests: Mapping[str, Mapping | None] | None = None,
+                recipe_hash: str | None = None, require_manifest: bool = True
+                ) -> tuple[CheckpointInfo | None, list[str]]:
+    """Newest ok checkpoint (its manifest's recipe_hash matching, when given) and why newer ones were passed over."""
+    passed = []
+    for info in sorted(infos, key=lambda i: i.step, reverse=True):
+        name = Path(info.path).name
+        if not info.ok:
+            passed.append(f"{name}: " + ("; ".join(info.problems) or "not ok"))
+            continue
+        if recipe_hash is not None:
+            m = (manifests or {}).get(info.path)
+            if m is None:
+                if require_manifest:
+                    passed.append(f"{name}: no manifest, recipe unknown")
+                    continue
+            elif m.get("recipe_hash") != recipe_hash:
+                passed.append(f"{name}: written by recipe {m.get('recipe_hash')}, not {recipe_hash}")
+                continue
+        return info, passed
+    return None, passed
+
+
+def latest_good(infos: Sequence[CheckpointInfo], manifests: Mapping[str, Mapping | None] | None = None,
+                recipe_hash: str | None = None, require_manifest: bool = True) -> CheckpointInfo | None:
+    return pick_resume(infos, manifests, recipe_hash, require_manifest)[0]
+
+
+# ---------------------------------------------------------------- file checks
+
+def read_safetensors(path: Path, name: str) -> tuple[list[str], list[str]]:
+    """(problems, tensor names) from the header alone: reads 8 + N bytes, never tensor data."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) < 8:
+                return [f"{name}: {size} bytes, too short for a safetensors header; {REDO}"], []
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER or n > size - 8:
+                return [(f"{name}: header length {n} exceeds the file ({size} bytes): truncated or not "
+                         f"safetensors; {REDO}")], []
+            header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as e:
+        return [f"{name}: header is not valid JSON ({e}); {REDO}"], []
+    except OSError as e:
+        return [f"{name}: cannot read ({e.strerror})"], []
+    problems, names = check_header(header, n, size, name)
+    if not problems and safe_open is not None:
+        try:  # the library's parse is authoritative; it mmaps and reads the header only
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any library rejection is a finding
+            problems.append(f"{name}: rejected by the safetensors library ({e}); {REDO}")
+    return problems, names
+
+
+def _load_json(path: Path, name: str, problems: list[str]) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"{name}: unreadable or not JSON ({e}); {REDO}")
+        return None
+
+
+def _link_step(output_dir: Path) -> int | None:
+    """The step last-checkpoint names, while that checkpoint is there: a dangling link (the checkpoint was
+    quarantined or deleted) proves nothing about the checkpoints being written after it."""
+    try:
+        target = os.readlink(output_dir / "last-checkpoint")
+        step = int(CKPT_RE.fullmatch(Path(target).name).group(1))
+    except (OSError, AttributeError):
+        return None
+    return step if (output_dir / target).is_dir() else None
+
+
+def _int_file(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoint_kind(names: Collection[str]) -> str | None:
+    """The backend that wrote a checkpoint directory holding `names`: `swift sft` writes trainer_state.json,
+    `megatron sft` the iteration file and iter_NNNNNNN/; None when neither is there (yet)."""
+    if "trainer_state.json" in names:
+        return "swift"
+    if ITER_FILE in names or any(ITER_DIR_RE.fullmatch(n) for n in names):
+        return "megatron"
+    return None
+
+
+def step_from_files(p: Path, kind: str | None) -> int | None:
+    """A checkpoint's step from its own files (whatever the directory is called): trainer_state.json's
+    global_step (swift), latest_checkpointed_iteration.txt or the iter_NNNNNNN/ name (megatron)."""
+    if kind == "swift":
+        try:
+            step = json.loads((p / "trainer_state.json").read_text()).get("global_step")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
+    if kind == "megatron":
+        step = _int_file(p / ITER_FILE)
+        if step is None:
+            iters = sorted(int(m.group(1)) for e in p.iterdir() if (m := ITER_DIR_RE.fullmatch(e.name)))
+            step = iters[-1] if iters else None
+        return step
+    return None
+
+
+def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,
+           *, backend: str | None = None) -> Verification:
+    """Verify a checkpoint dir (`checkpoint-N`, or one copied under another name), a `-merged` dir, a
+    .safetensors file, or an output_dir (its newest checkpoint)."""
+    p = Path(path)
+    if p.is_file():
+        problems, names = read_safetensors(p, p.name)
+        return Verification(not problems, None, True, tuple(problems), (p.name,), len(names), str(p))
+    m, mm = CKPT_RE.fullmatch(p.name), MERGED_RE.fullmatch(p.name)
+    if not p.is_dir():
+        return Verification(False, None, False, (f"{p}: no such checkpoint directory or file",), path=str(p))
+    names = {e.name for e in p.iterdir()}
+    kind = checkpoint_kind(names)
+    if not (m or mm) and kind is None and not names & {"adapter_model.safetensors", "adapter_config.json"}:
+        infos = [q for q in p.iterdir() if CKPT_RE.fullmatch(q.name) and q.is_dir()]
+        if not infos:
+            return Verification(False, None, False, (f"{p}: no checkpoint-N directories",), path=str(p))
+        return verify(max(infos, key=step_of), expect, full_checksum, backend=backend)
+    # the other backend's checkpoint is named as such first, then checked as what it is
+    problems: list[str] = []
+    if backend is not None and kind is not None and kind != backend and not mm:  # -merged: full weights, any backend
+        problems.append(f"this is a {kind} sft checkpoint; the recipe's backend is {backend}: "
+                        f"use a recipe with run.backend = \"{kind}\" to verify or resume from it")
+        backend = kind
+    if m or mm:
+        step, merged = int((m or mm).group(1)), mm is not None
+        newer = any((q := CKPT_RE.fullmatch(e.name)) and int(q.group(1)) > step for e in p.parent.iterdir())
+        last_step = _link_step(p.parent)
+    else:  # copied under another name: its own files say the step; no siblings or link speak for it
+        merged = "config.json" in names and bool(names & {"model.safetensors", "model.safetensors.index.json"})
+        step, newer, last_step = step_from_files(p, kind), False, None
+        if step is None:
+            problems.append(f"{p.name}: not named checkpoint-N and its step is unreadable (no trainer_state.json "
+                            f"global_step, no {ITER_FILE}): an incomplete or damaged copy; {REDO}")
+            return Verification(False, None, False, tuple(problems), path=str(p), kind=kind)
+    why = completeness(backend, names, step, last_step, merged, newer)
+    if why is not None:
+        problems.append(f"{p.name}: incomplete: {why} (still being written?); wait for the save to finish or "
+                        f"resume from an earlier checkpoint")
+        return Verification(False, step, False, tuple(problems), path=str(p), kind=kind)
+    it = _int_file(p / ITER_FILE) if ITER_FILE in names else None
+    if ITER_FILE in names and it is None:
+        problems.append(f"{p.name}/{ITER_FILE}: not an iteration number; resume would fail; {REDO}")
+    state = _load_json(p / "trainer_state.json", f"{p.name}/trainer_state.json", problems) \
+        if "trainer_state.json" in names else None
+    gstep = state.get("global_step") if isinstance(state, dict) else None
+    for label, got in ((ITER_FILE, it), ("trainer_state.json global_step", gstep)):
+        if got is not None and got != step:
+            problems.append(f"{p.name}/{label} says step {got}, the "
+                            f"{'directory' if m or mm else 'checkpoint'} says {step}: mixed-up checkpoint; "
+                            f"do not resume from it")
+    files, all_names, per_file = [], [], {}
+    for f in sorted(p.rglob("*.safetensors")):
+        rel = f.relative_to(p).as_posix()
+        probs, tnames = read_safetensors(f, f"{p.name}/{rel}")
+        problems += probs
+        files.append(rel)
+        all_names += tnames
+        per_file[rel] = set(tnames)
+    if merged:
+        _check_index(p, per_file, problems)
+    else:
+        _check_adapter(p, names, backend, step, expect, all_names, problems)
+    if full_checksum and (manifest := read_manifest(p)) is not None:
+        problems += manifest_matches(p, manifest)
+    return Verification(not problems, step, True, tuple(problems), tuple(files), len(all_names), str(p), kind)
+
+
+def _check_adapter(p: Path, names: set[str], backend: str | None, step: int, expect: LoraExpect | None,
+                   tensor_names: list[str], problems: list[str]) -> None:
+    iter_dir = p / f"iter_{step:07d}"
+    is_megatron = backend == "megatron" or (backend is None and ITER_FILE in names)
+    if is_megatron and not (iter_dir / "common.pt").is_file():
+        problems.append(f"{p.name}/{iter_dir.name}/common.pt missing: the mcore save did not finish and "
+                        f"resume cannot read the iteration; resume from an earlier checkpoint")
+    if "adapter_model.safetensors" in names:
+        if "adapter_config.json" not in names:
+            problems.append(f"{p.name}/adapter_config.json missing next to adapter_model.safetensors; {REDO}")
+        else:
+            cfg = _load_json(p / "adapter_config.json", f"{p.name}/adapter_config.json", problems)
+            if cfg is not None:
+                problems += check_adapter_config(cfg, expect, f"{p.name}/adapter_config.json")
+        if tensor_names and not (any("lora_A" in n for n in tensor_names) and any("lora_B" in n for n in tensor_names)):
+            problems.append(f"{p.name}/adapter_model.safetensors: no lora_A/lora_B tensors (e.g. "
+                            f"{tensor_names[0]!r}): not a LoRA adapter; {REDO}")
+    elif not (is_megatron and iter_dir.is_dir() and any(iter_dir.glob("*.distcp"))):
+        problems.append(f"{p.name}: no adapter weights (adapter_model.safetensors or mcore shards); {REDO}")
+
+
+def _check_index(p: Path, per_file: dict[str, set[str]], problems: list[str]) -> None:
+    idx = p / "model.safetensors.index.json"
+    if not idx.exists():
+        return
+    data = _load_json(idx, f"{p.name}/{idx.name}", problems)
+    wmap = (data or {}).get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict):
+        if data is not None:
+            problems.append(f"{p.name}/{idx.name}: no weight_map; {REDO}")
+        return
+    for shard in sorted(set(wmap.values())):
+        if shard not in per_file:
+            problems.append(f"{p.name}/{shard}: listed in {idx.name} but missing; {REDO}")
+    missing = [k for k, s in wmap.items() if s in per_file and k not in per_file[s]]
+    if missing:
+        problems.append(f"{p.name}/{idx.name}: {len(missing)} tensors (e.g. {missing[0]!r}) absent from their "
+                        f"shard; {REDO}")
+
+
+def _trainer_loss(ckpt: Path, step: int) -> float | None:
+    try:
+        hist = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
+        return [float(r["loss"]) for r in hist if "loss" in r and r.get("step", step + 1) <= step][-1]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+
+
+def logged_losses(jsonl: str | os.PathLike) -> dict[int, float]:
+    """step -> loss from a logging.jsonl (both backends; appended across attempts: the last record per step
+    wins). Lines without a loss are skipped before parsing: the file grows by one record a step."""
+    out: dict[int, float] = {}
+    try:
+        with open(jsonl, "rb") as f:
+            for line in f:
+                if b'"loss"' in line:
+                    p = progress.parse_jsonl_line(line.decode("utf-8", "replace"))
+                    if p is not None and p.loss is not None:
+                        out[p.step] = p.loss
+    except OSError:
+        pass
+    return out
+
+
+def discover(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None = None,
+             skip: Collection[str] = ()) -> list[CheckpointInfo]:
+    """Every checkpoint-N/ under output_dir (paths in `skip` left out), verified, sorted by step."""
+    return list(scan(output_dir, backend, expect, skip))
+
+
+def scan(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None = None,
+         skip: Collection[str] = (), newest_first: bool = False) -> Iterator[CheckpointInfo]:
+    """Every checkpoint-N/ under output_dir (paths in `skip` left out), verified (headers only),
+    by step. Lazy: a caller that stops at the first good one verifies no more."""
+    out = Path(output_dir)
+    try:
+        entries = {e.name: e for e in out.iterdir()}
+    except OSError:
+        return
+    jsonl = None
+    names = [n for n in entries if CKPT_RE.fullmatch(n) and str(entries[n]) not in skip and entries[n].is_dir()]
+    for name in sorted(names, key=step_of, reverse=newest_first):
+        v = verify(entries[name], expect, backend=backend)
+        merged = entries.get(f"{name}-merged")
+        manifest = read_manifest(entries[name])
+        loss = (manifest or {}).get("loss")
+        if loss is None:
+            loss = _trainer_loss(entries[name], v.step)
+        if loss is None and "logging.jsonl" in entries:
+            jsonl = logged_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
+            loss = max(((s, l) for s, l in jsonl.items() if s <= v.step), default=(0, None))[1]
+        yield v.to_info(str(merged) if merged and merged.is_dir() else None, loss)
+
+
+def verify_report(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,
+                  backend: str | None = None) -> dict:
+    """The JSON of `orchestrator verify PATH --json`."""
+    v = verify(path, expect, full_checksum, backend=backend)
+    return {"ok": v.ok, "step": v.step, "complete": v.complete, "problems": list(v.problems), "path": v.path,
+            "kind": v.kind}
+
+
+# ---------------------------------------------------------------- the final export's merged copy
+
+def merged_name(checkpoint_name: str) -> str:
+    return f"{checkpoint_name}-merged"
+
+
+def export_staging_name(checkpoint_name: str) -> str:
+    """Where the export of checkpoint.merge = "final" writes; renamed to merged_name only once verified.
+    Not a checkpoint name: discovery, sync and retention never see a partial export."""
+    return f".partial-{merged_name(checkpoint_name)}"
+
+
+def verify_merged(path: str | os.PathLike) -> Verification:
+    """A merged full model (HF layout) as `swift export` / `megatron export --to_hf` write it: config.json;
+    model.safetensors, or model.safetensors.index.json with every listed shard present, every tensor of
+    the weight_map in its shard, and the index's total_size equal to the tensor bytes of the shards;
+    every shard header-checked (check_header + the safetensors library)."""
+    p = Path(path)
+    if not p.is_dir():
+        return Verification(False, None, False, (f"{p}: no such merged model directory",), path=str(p))
+    problems: list[str] = []
+    if not (p / "config.json").is_file():
+        problems.append(f"{p.name}/config.json missing: not a loadable model; {REDO}")
+    idx = p / "model.safetensors.index.json"
+    if idx.exists():
+        data = _load_json(idx, f"{p.name}/{idx.name}", problems)
+        wmap = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wmap, dict) or not wmap:
+            problems.append(f"{p.name}/{idx.name}: no weight_map; {REDO}")
+            wmap = {}
+        shards = sorted(set(wmap.values()))
+        total = (data.get("metadata") or {}).get("total_size") if isinstance(data, dict) else None
+    elif (p / "model.safetensors").exists():
+        shards, wmap, total = ["model.safetensors"], {}, None
+    else:
+        problems.append(f"{p.name}: neither model.safetensors nor model.safetensors.index.json: the export "
+                        f"wrote no weights; {REDO}")
+        shards, wmap, total = [], {}, None
+    per_file: dict[str, set[str]] = {}
+    data_bytes = 0
+    for shard in shards:
+        f = p / shard
+        if not f.is_file():
+            problems.append(f"{p.name}/{shard}: listed in the index but missing (export cut short); {REDO}")
+            continue
+        probs, names = read_safetensors(f, f"{p.name}/{shard}")
+        problems += probs
+        per_file[shard] = set(names)
+        if not probs:  # headers are consistent: the data region is exactly the tensors' bytes
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+            data_bytes += f.stat().st_size - 8 - n
+    missing = [k for k, s in wmap.items() if s in per_file and k not in per_file[s]]
+    if missing:
+        problems.append(f"{p.name}/model.safetensors.index.json: {len(missing)} tensors (e.g. {missing[0]!r}) "
+                        f"absent from their shard; {REDO}")
+    if isinstance(total, int) and not problems and total != data_bytes:
+        problems.append(f"{p.name}/model.safetensors.index.json: metadata total_size {total} bytes but the shards "
+                        f"hold {data_bytes} bytes of tensors; {REDO}")
+    tensors = sum(len(v) for v in per_file.values())
+    return Verification(not problems, None, True, tuple(problems), tuple(shards), tensors, str(p))

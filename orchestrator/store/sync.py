@@ -1,0 +1,429 @@
+"""Publish verified checkpoints to persistent storage, restore them, and a sidecar thread that keeps syncing.
+
+`persistent` here is the directory one run publishes into (published.publish_dir: its name and recipe hash
+under run.persistent_dir). A copy there whose manifest names another recipe hash is never overwritten,
+pruned or restored: it is reported and left alone.
+
+Publication is atomic: copy into `<persistent>/.partial-<name>/`, fsync, verify the copy against the manifest
+(sizes + sha256; copytree hashes and flushes each file as it is written: large files by a few threads
+beside rsync, the rest behind rsync's writes, so both cost little beyond the copy), then rename to `<persistent>/<name>`. Only `.partial-*` names are ever incomplete. A staging
+dir left by a killed sync is reused (rsync skips files already there), so a retry resumes file by file.
+"""
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from orchestrator.store import checkpoints as ck
+from orchestrator.store import manifest as mf
+from orchestrator.store.copytree import copy_tree, same_file
+from orchestrator.store.published import copies_in, owned
+
+log = logging.getLogger(__name__)
+LOCK = ".orchestrator-sync.lock"
+PARTIAL = ".partial-"
+MCORE_SHARDS = "iter_*/*.distcp"      # optimizer + mcore adapter shards; common.pt stays (resume reads it)
+GIB = 1 << 30
+CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    copied: tuple[str, ...] = ()       # names published this round (checkpoint-N, checkpoint-N-merged)
+    bytes_copied: int = 0
+    skipped: tuple[str, ...] = ()      # why a checkpoint was not published (informational)
+    problems: tuple[str, ...] = ()     # needs an operator: corrupt checkpoints, full/unwritable storage, copy errors
+    deleted: tuple[str, ...] = ()
+    newest_local: int | None = None     # newest verified local step
+    newest_published: int | None = None
+    lag_steps: int | None = None
+    lag_s: float | None = None         # age of the newest verified local checkpoint while it is unpublished
+    synced: bool = False               # the round ran and everything planned is published
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class SyncError(Exception):
+    """A restore that cannot be done; the message says what to do."""
+
+
+# ---------------------------------------------------------------- pure decisions
+
+def retain(steps: Mapping[int, float | None], keep: int) -> set[int]:
+    """Steps to keep: the newest `keep` (at least 1, so the newest copy is never dropped) plus the best loss."""
+    kept = set(sorted(steps, reverse=True)[:max(1, keep)])
+    losses = {s: l for s, l in steps.items() if isinstance(l, (int, float)) and math.isfinite(l)}
+    if losses:
+        kept.add(min(losses, key=lambda s: (losses[s], -s)))
+    return kept
+
+
+def filter_manifest(manifest: Mapping, excludes: tuple[str, ...]) -> dict:
+    files = [f for f in manifest["files"] if not any(fnmatch.fnmatch(f["path"], p) for p in excludes)]
+    out = dict(manifest, files=files)
+    if len(files) != len(manifest["files"]):
+        out["excluded"] = list(excludes)
+    return out
+
+
+def same_content(a: Mapping | None, b: Mapping | None) -> bool:
+    """Same step and files (path, size, sha256); a missing or malformed manifest never matches."""
+    try:
+        key = [(m["step"], [(f["path"], f["size"], f["sha256"]) for f in m["files"]]) for m in (a, b)]
+    except (KeyError, TypeError):
+        return False
+    return key[0] == key[1]
+
+
+def space_problem(persistent: Path, free: int, need: int) -> str:
+    return (f"persistent_dir {persistent} has {free / GIB:.1f} GiB free, needs {need / GIB:.1f} GiB: "
+            f"free space or lower retention")
+
+
+def _copy(src: Path, dst: Path, manifest: Mapping, link_dest: Path | None, excludes: tuple[str, ...],
+          lock_fd: int | None, bwlimit_kib: int | None, cancel: threading.Event | None) -> tuple[int, dict[str, str]]:
+    return copy_tree(src, dst, [f["path"] for f in manifest["files"]], link_dest,
+                     (*excludes, mf.MANIFEST, f".{mf.MANIFEST}.tmp-*"), lock_fd, bwlimit_kib, cancel)
+
+
+def _check_copy(dst: Path, manifest: Mapping, known: Mapping[str, str]) -> list[str]:
+    extra = sorted(set(mf.list_files(dst)) - {f["path"] for f in manifest["files"]})
+    problems = [f"{dst.name}/{r}: not in the manifest" for r in extra[:3]]
+    return problems + mf.manifest_matches(dst, manifest, known=known)
+
+
+def _need_bytes(src: Path, manifest: Mapping, staging: Path, link_dest: Path | None) -> int:
+    need = 0
+    for f in manifest["files"]:
+        st = (src / f["path"]).stat()
+        if not (same_file(st, staging / f["path"]) or (link_dest and same_file(st, link_dest / f["path"]))):
+            need += f["size"]
+    return need
+
+
+def _remove(path: Path) -> None:
+    """Rename out of sight first, so a reader never sees a half-deleted checkpoint."""
+    gone = path.with_name(f"{PARTIAL}deleting-{path.name}-{os.getpid()}")
+    os.rename(path, gone)
+    mf.fsync_dir(path.parent)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def _publish(src: Path, persistent: Path, manifest: dict, link_dest: Path | None, opts: dict) -> tuple[int, str | None]:
+    """Stage, verify and rename one checkpoint dir. Returns (bytes copied, problem or None)."""
+    name = src.name
+    staging, final = persistent / f"{PARTIAL}{name}", persistent / name
+    try:
+        need = _need_bytes(src, manifest, staging, link_dest) + opts["margin"]
+        free = shutil.disk_usage(persistent).free
+        if free < need:
+            return 0, space_problem(persistent, free, need)
+        n, digests = _copy(src, staging, manifest, link_dest, opts["excludes"], opts["lock_fd"], opts["bwlimit_kib"],
+                           opts["cancel"])
+    except OSError as e:
+        if opts["cancel"] is not None and opts["cancel"].is_set():
+            return 0, CANCELLED  # the staging dir stays: the next round resumes it
+        if not src.exists() or "No space left" in str(e) or getattr(e, "errno", None) == 28:
+            shutil.rmtree(staging, ignore_errors=True)  # nothing to resume, or the space is needed back
+        gone = " (deleted locally during the copy: save_total_limit rotation?)" if not src.exists() else ""
+        return 0, f"copying {name} to {persistent} failed{gone}: {e}"
+    bad = _check_copy(staging, manifest, digests)
+    if bad:
+        shutil.rmtree(staging, ignore_errors=True)
+        if link_dest is not None:  # a quick-check false match against the previous copy: copy it all
+            m, why = _publish(src, persistent, manifest, None, opts)
+            return n + m, why
+        return n, f"{name}: the copy in {persistent} does not match its manifest ({bad[0]}); it will be retried"
+    mf.write_json_atomic(staging / mf.MANIFEST, manifest)
+    if final.exists():  # republish after the local checkpoint changed (e.g. re-saved after a resume)
+        _remove(final)
+    os.rename(staging, final)
+    mf.fsync_dir(persistent)
+    return n, None
+
+
+# ---------------------------------------------------------------- sync / restore
+
+def open_lock(persistent: Path, wait_s: float = 0.0) -> int:
+    """The sync lock; BlockingIOError when another sync still holds it after wait_s."""
+    persistent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(persistent / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _published(persistent: Path) -> dict[str, dict | None]:
+    os.listdir(persistent)  # OSError when missing or unreadable (copies_in calls a missing dir empty)
+    return copies_in(persistent)
+
+
+
+
+
+def foreign_problem(path: Path, manifest: Mapping | None, recipe_hash: str | None) -> str:
+    whose = f"recipe {str(manifest.get('recipe_hash'))[:8]}" if manifest else "no manifest"
+    return (f"{path} is not this run's copy ({whose}; this run is recipe {str(recipe_hash)[:8]}): "
+            f"left as it is, never overwritten or pruned; move it away to publish this run's {path.name}")
+
+
+def _losses(pub: Mapping[str, Mapping | None]) -> dict[int, float | None]:
+    return {ck.step_of(n): (m or {}).get("loss") for n, m in pub.items() if ck.CKPT_RE.fullmatch(n)}
+
+
+def _local_manifest(path: Path, step: int, recipe_hash: str | None, loss: float | None) -> dict:
+    m = mf.read_manifest(path)
+    if m is None or mf.manifest_stale(path, m):
+        m = mf.build_manifest(path, step, recipe_hash, loss)
+        mf.write_json_atomic(path / mf.MANIFEST, m)
+    return m
+
+
+def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, backend: str,
+              recipe_hash: str | None, keep: int = 3, include_mcore: bool = True, include_merged: bool = True,
+              on_problem: Callable[[str], None] | None = None, *, bwlimit_kib: int | None = None,
+              margin_bytes: int = 256 << 20, cancel: threading.Event | None = None,
+              lock_wait_s: float = 0.0) -> SyncResult:
+    """Publish the verified local checkpoints that retention keeps (newest first); prune old published ones."""
+    t0, out, persistent = time.monotonic(), Path(output_dir), Path(persistent_dir)
+    try:
+        lock_fd = open_lock(persistent, lock_wait_s)
+    except BlockingIOError:
+        return _report(SyncResult(problems=(f"another sync holds {persistent / LOCK}; skipped this round",)),
+                       on_problem, t0)
+    except OSError as e:
+        msg = f"persistent_dir {persistent} is not writable ({e.strerror or e}): check the mount, permissions and path"
+        return _report(SyncResult(problems=(msg,)), on_problem, t0)
+    opts = {"excludes": () if include_mcore else (MCORE_SHARDS,), "lock_fd": lock_fd, "bwlimit_kib": bwlimit_kib,
+            "cancel": cancel, "margin": margin_bytes}
+    copied, skipped, problems, deleted, nbytes = [], [], [], [], 0
+    try:
+        infos = ck.discover(out, backend)
+        problems += [f"local {p}" for i in infos if i.complete and not i.ok for p in i.problems]
+        skipped += [f"{Path(i.path).name}: still being written" for i in infos if not i.complete]
+        local = {i.step: i for i in infos if i.ok}
+        everything = _published(persistent)
+        pub = {n: m for n, m in everything.items() if owned(m, recipe_hash)}
+        foreign = {n: m for n, m in everything.items() if n not in pub}
+        wanted = retain({**_losses(pub), **{s: i.loss for s, i in local.items()}}, keep)
+        todo = sorted((s for s in local if s in wanted), reverse=True)  # newest first: the most valuable
+        skipped += [f"checkpoint-{s}: outside retention (keep={keep})" for s in local if s not in wanted]
+        resumable = {f"{PARTIAL}checkpoint-{s}{sfx}" for s in todo for sfx in ("", "-merged")}
+        for e in persistent.iterdir():  # we hold the lock, so any other .partial-* is abandoned
+            if e.name.startswith(PARTIAL) and e.name not in resumable:
+                shutil.rmtree(e, ignore_errors=True)
+        for s in todo:
+            dirs = [Path(local[s].path)]
+            if include_merged and local[s].merged_path:
+                mv = ck.verify(local[s].merged_path, backend=backend)
+                dirs += [Path(mv.path)] if mv.ok else []
+                problems += [f"local {p}" for p in mv.problems] if mv.complete else []
+            for src in dirs:
+                try:
+                    m = filter_manifest(_local_manifest(src, s, recipe_hash, local[s].loss), opts["excludes"])
+                except OSError as e:  # e.g. rotated away while hashing
+                    problems.append(f"cannot hash {src}: {e}")
+                    continue
+                if not owned(m, recipe_hash):  # e.g. saved before an on_drift = "resume" changed the recipe
+                    skipped.append(f"{src.name}: its manifest names recipe {str(m.get('recipe_hash'))[:8]}, "
+                                   f"not this run's; not published")
+                    continue
+                if src.name in foreign:
+                    problems.append(foreign_problem(persistent / src.name, foreign[src.name], recipe_hash))
+                    continue
+                if same_content(m, pub.get(src.name)):
+                    continue
+                prev = [n for n in pub if ck.CKPT_RE.fullmatch(n) and pub[n] and ck.step_of(n) < s]
+                link = persistent / max(prev, key=ck.step_of) if prev and src == dirs[0] else None
+                n, why = _publish(src, persistent, m, link, opts)
+                if why and why.startswith("persistent_dir") and _prune_for_space(persistent, pub, wanted, deleted):
+                    n, why = _publish(src, persistent, m, link, opts)
+                nbytes += n
+                if why == CANCELLED:
+                    skipped.append(f"{src.name}: cancelled by stop()")
+                elif why:
+                    problems.append(why)
+                else:
+                    copied.append(src.name)
+                    pub[src.name] = m
+        kept = retain(_losses(pub), keep)
+        for n in sorted(pub):
+            if ck.step_of(n) not in kept:
+                _remove(persistent / n)
+                deleted.append(n)
+        newest_pub, newest_local = max(kept, default=None), max(local, default=None)
+        lag_s = None if newest_local is None else 0.0 if f"checkpoint-{newest_local}" in pub else \
+            max(0.0, time.time() - Path(local[newest_local].path).stat().st_mtime)
+        lag = None if newest_local is None or newest_pub is None else max(0, newest_local - newest_pub)
+        r = SyncResult(tuple(copied), nbytes, tuple(skipped), tuple(problems), tuple(deleted), newest_local,
+                       newest_pub, lag, lag_s, synced=all(p.startswith("local ") for p in problems))
+    except OSError as e:
+        r = SyncResult(tuple(copied), nbytes, tuple(skipped), (*problems, f"sync to {persistent} failed: {e}"),
+                       tuple(deleted))
+    finally:
+        os.close(lock_fd)
+    return _report(r, on_problem, t0)
+
+
+def _prune_for_space(persistent: Path, pub: dict, wanted: set[int], deleted: list[str]) -> bool:
+    """Drop published copies that retention will drop anyway (never the newest); True if any went."""
+    steps = [ck.step_of(n) for n in pub if ck.CKPT_RE.fullmatch(n)]
+    newest = max(steps, default=None)
+    gone = [n for n in list(pub) if ck.step_of(n) not in wanted and ck.step_of(n) != newest]
+    for n in gone:
+        _remove(persistent / n)
+        deleted.append(n)
+        del pub[n]
+    return bool(gone)
+
+
+def _report(r: SyncResult, on_problem: Callable[[str], None] | None, t0: float) -> SyncResult:
+    for p in r.problems if on_problem else ():
+        try:
+            on_problem(p)
+        except Exception:  # an alert hook must not break syncing
+            log.exception("on_problem hook failed")
+    return replace(r, duration_s=time.monotonic() - t0)
+
+
+def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, step: int | None = None,
+            include_merged: bool = False, recipe_hash: str | None = None) -> Path:
+    """Copy published checkpoint-`step` (newest when None) into output_dir, verified, atomically.
+    With `recipe_hash`, only copies whose manifest names it (others are another run's)."""
+    persistent, out = Path(persistent_dir), Path(output_dir)
+    try:
+        pub = _published(persistent)
+    except OSError as e:
+        raise SyncError(f"cannot read persistent_dir {persistent}: {e.strerror or e}") from e
+    steps = sorted(ck.step_of(n) for n in pub if ck.CKPT_RE.fullmatch(n))
+    step = steps[-1] if step is None and steps else step
+    if step not in steps:
+        raise SyncError(f"no published checkpoint-{step} in {persistent} (published: {steps})")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SyncError(f"cannot create output_dir {out}: {e.strerror or e}") from e
+    names = [f"checkpoint-{step}"] + ([f"checkpoint-{step}-merged"] if include_merged
+                                      and f"checkpoint-{step}-merged" in pub else [])
+    for name in names:
+        m, final, staging = pub[name], out / name, out / f"{PARTIAL}{name}"
+        if m is None:
+            raise SyncError(f"{persistent / name} has no {mf.MANIFEST}: it cannot be verified; not restoring it")
+        if recipe_hash is not None and not owned(m, recipe_hash):
+            raise SyncError(f"{persistent / name} is another run's copy (recipe {str(m.get('recipe_hash'))[:8]}, "
+                            f"this run is {recipe_hash[:8]}): not restoring it")
+        if final.exists():
+            if same_content(mf.read_manifest(final), m) and not mf.manifest_matches(final, m):
+                continue
+            raise SyncError(f"{final} exists and differs from the published copy: move it away, then restore")
+        need, free = sum(f["size"] for f in m["files"]), shutil.disk_usage(out).free
+        if free < need:
+            raise SyncError(f"output_dir {out} has {free / GIB:.1f} GiB free, needs {need / GIB:.1f} GiB")
+        try:
+            _, digests = _copy(persistent / name, staging, m, None, (), None, None, None)
+            bad = _check_copy(staging, m, digests)
+            if not bad:
+                mf.write_json_atomic(staging / mf.MANIFEST, m)
+                os.rename(staging, final)
+                mf.fsync_dir(out)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise SyncError(f"restoring {name} from {persistent} into {out} failed: {e}") from e
+        if bad:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise SyncError(f"restored copy of {name} does not match its manifest ({bad[0]}): the published "
+                            f"copy is damaged; restore an older step")
+    return out / names[0]
+
+
+class SyncThread(threading.Thread):
+    """Runs sync_once every interval_s and on trigger(); never raises, never blocks the caller."""
+
+    def __init__(self, output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, backend: str,
+                 recipe_hash: str | None, interval_s: float = 300.0,
+                 on_problem: Callable[[str], None] | None = None, final_lock_wait_s: float = 120.0,
+                 **sync_kwargs) -> None:
+        super().__init__(name="orchestrator-sync", daemon=True)
+        self.args = (output_dir, persistent_dir, backend, recipe_hash)
+        self.interval_s, self.on_problem, self.sync_kwargs = interval_s, on_problem, sync_kwargs
+        self.final_lock_wait_s = final_lock_wait_s
+        self.last_result: SyncResult | None = None
+        self.last_success_at: float | None = None
+        self.bytes_total = 0
+        self.rounds = 0
+        self._wake, self._stopping, self._cancel = threading.Event(), threading.Event(), threading.Event()
+        self._final = False
+        self._cond = threading.Condition()
+        self._alerted: set[str] = set()
+
+    def trigger(self) -> None:
+        """Sync soon (call after a verified save)."""
+        self._wake.set()
+
+    def stop(self, timeout: float | None = None, final_sync: bool = False, cancel: bool = False) -> None:
+        """Stop the thread; optionally run one last round first, or cancel a running copy."""
+        self._final = final_sync
+        if cancel:
+            self._cancel.set()
+        self._stopping.set()
+        self._wake.set()
+        if self.is_alive():
+            self.join(timeout)
+
+    def wait_rounds(self, n: int, timeout: float | None = None) -> bool:
+        """Block until at least n rounds have finished."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.rounds >= n, timeout)
+
+    def run(self) -> None:
+        self._round()
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stopping.is_set():
+                if self._final:  # the last chance: wait for another sync (an orphaned rsync, --once) to finish
+                    self._round(lock_wait_s=self.final_lock_wait_s)
+                return
+            self._round()
+
+    def _round(self, lock_wait_s: float = 0.0) -> None:
+        try:
+            r = sync_once(*self.args, cancel=self._cancel, lock_wait_s=lock_wait_s, **self.sync_kwargs)
+        except Exception as e:  # noqa: BLE001 - the thread must survive anything
+            r = SyncResult(problems=(f"sync crashed: {type(e).__name__}: {e}",))
+        new = [p for p in r.problems if p not in self._alerted]
+        self._alerted = set(r.problems)  # alert once per problem until it clears
+        for p in new if self.on_problem else ():
+            try:
+                self.on_problem(p)
+            except Exception:
+                log.exception("on_problem hook failed")
+        with self._cond:
+            self.last_result = r
+            self.bytes_total += r.bytes_copied
+            if r.synced:
+                self.last_success_at = time.time()
+            self.rounds += 1
+            self._cond.notify_all()
