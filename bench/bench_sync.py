@@ -33,9 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from safetensors.numpy import save_file
 
-from orchestrator.store import copytree
+from orchestrator.store import copytree, sync
 from orchestrator.store import manifest as mf
-from orchestrator.store import sync
 
 MIB = 1 << 20
 SHARD_MIB = (2048, 1536, 1024, 1024)  # then 1024 each: a few large shards, like a real checkpoint's

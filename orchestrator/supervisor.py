@@ -27,7 +27,6 @@ rebuilt from the journal on start, so a restarted supervisor remembers crashes a
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
@@ -35,18 +34,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from orchestrator import preflight
-from orchestrator.domain import classify
-from orchestrator.host import gpu
-from orchestrator.domain import interval
-from orchestrator.host import pagecache
-from orchestrator.domain import policy
-from orchestrator.domain import verdict
+from orchestrator.domain import classify, policy, verdict
+from orchestrator.host import gpu, pagecache
 from orchestrator.host.base import Host
+from orchestrator.host.gpu_gate import GpuGate
 from orchestrator.host.probe import first_free_port
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.host.launch.local import LaunchError
 from orchestrator.host.metrics import Metrics
-from orchestrator.host.node_history import NodeHistory
 from orchestrator.host.notify import Heartbeat, Notifier
 from orchestrator.store.published import PublishLock
 from orchestrator.config.recipe import Recipe, RecipeError, recipe_hash, semantic_view
@@ -58,8 +53,9 @@ from orchestrator.store.rundir import RunLock, place, run_id, state_dir
 from orchestrator.store.publisher import Publisher
 from orchestrator.host.slurm_host import host_for
 from orchestrator.host.spot import from_recipe as spot_notice
-from orchestrator.types import (TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode, GpuSnapshot,
+from orchestrator.types import (TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode,
                                 Phase, Resume, State)
+from orchestrator.save_interval import SaveIntervals
 from orchestrator.watch import AttemptWatch
 
 GIB = 1024**3
@@ -91,6 +87,7 @@ class Supervisor:
         self.notifier = Notifier.from_env()
         self.heartbeat = Heartbeat(self.notifier, clock=self.host.monotonic)
         self.spot = spot_notice(recipe.supervisor)
+        self.gpus = GpuGate(recipe, self.host, self.metrics)
         self.metrics_port: int | None = None
         self.echoed_at = self.goodput_at = self.last_scan = float("-inf")  # monotonic times of the last report
         self.journal: Journal | None = None   # set in preflight, with the lock, checkpoints and the sync sidecar
@@ -189,8 +186,8 @@ class Supervisor:
         self.history = policy.rebuild_history(earlier, {c["step"] for c in self.journal.checkpoints() if c["ok"]})
         budget, _ = preflight.storage_budget(r)
         self.keep_local, self.save_gib = budget.keep_local, sum(budget.per_save_bytes.values()) / GIB
-        self.step_time = budget.step_time_s, budget.step_time_source  # the interval chooser's prior
-        self.node = NodeHistory()  # earlier runs' failures on this node (save_steps = "auto")
+        self.intervals = SaveIntervals(r, self.journal, self.metrics, self.run_id, self.save_gib * GIB,
+                                       (budget.step_time_s, budget.step_time_source))
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:
@@ -228,11 +225,11 @@ class Supervisor:
             return self._launch_state()
         started = self.host.now()
         snap = self.host.gpu_snapshot()
-        clear, problems = self._gpu_verdict(snap)
+        clear, problems = self.gpus.verdict(snap)
         if not clear:
-            self._clear_gpus(snap, problems)
+            self.gpus.clear(snap, problems, self.run_id, self.journal)
             self._sleep(self.recipe.supervisor.force_wait_s)
-            clear, problems = self._gpu_verdict(self.host.gpu_snapshot())
+            clear, problems = self.gpus.verdict(self.host.gpu_snapshot())
         self.journal.span(started, self.host.now(), "verify")
         if clear:
             self.gpu_backoff_s = 0.0
@@ -276,7 +273,7 @@ class Supervisor:
             save_steps, measured = None, None
             cmd = render_export(r, resume.path, str(self.checkpoints.export_staging(resume.path)), port)
         else:
-            save_steps, measured = self._save_interval(n, now), self._cost_reporter(n)
+            save_steps, measured = self.intervals.choose(n, now), self.intervals.reporter(n)
             cmd = render_command(r, resume, port, save_steps)
         log = self.state_dir / "attempts" / f"attempt-{n:04d}.log"
         # The row first: a supervisor killed right after the launch leaves a row its successor closes.
@@ -293,7 +290,7 @@ class Supervisor:
                                           replace(row, pid=launched.pid, pid_start_time=launched.create_time),
                                           save_steps, measured)
         self.journal.record_attempt(self.attempt.row)
-        self.host.evidence_baseline(launched, self.run_id, self._run_gpus() if r.gpu.check else [])
+        self.host.evidence_baseline(launched, self.run_id, self.gpus.run_gpus() if r.gpu.check else [])
         self.checkpoints.forget_after(self.attempt.good_step_at_launch)
         self.journal.event("launch", f"attempt {n} pid {launched.pid} port {port}"
                            + (f" exporting the merged model of {resume.path}" if export else
@@ -301,28 +298,6 @@ class Supervisor:
         if n > 1 and not (export and before and before.row.kind == "train"):  # the export is no restart
             self.metrics.restart()
         return State.RUNNING
-
-    def _save_interval(self, n: int, now: float) -> int:
-        """The recipe's save_steps, or for "auto" the interval chosen from the measured save cost, step time
-        and failure rate (interval.py), recorded with its inputs."""
-        r, earlier = self.recipe, self.journal.attempts()
-        unwritten = self.node.record(self.run_id, *interval.run_failures(earlier, now), now)
-        save_steps = r.checkpoint.save_steps
-        if save_steps == "auto":
-            choice = interval.choose(interval.evidence(earlier, self.node.others(self.run_id), self.save_gib * GIB,
-                                                       None, *self.step_time, now))
-            save_steps = choice.steps
-            self.journal.event("save_interval", f"attempt {n}: {choice.reason}", **choice.as_dict(),
-                               **({"node_history_unwritten": unwritten} if unwritten else {}))
-        self.metrics.save_interval(save_steps)
-        self.journal.put(save_interval=save_steps)  # status, history, the report
-        return save_steps
-
-    def _cost_reporter(self, n: int):
-        def measured(kind: str, seconds: float, details: dict) -> None:
-            (self.metrics.startup_cost if kind == "startup" else self.metrics.save_cost)(seconds)
-            self.journal.event(f"{kind}_seconds", f"attempt {n}: {kind} took {seconds:.1f} s", seconds=seconds, **details)
-        return measured
 
     def _watch(self) -> State:
         a, s = self.attempt, self.recipe.supervisor
@@ -500,7 +475,7 @@ class Supervisor:
             if orphans:  # left by a SIGKILLed rank: no wait frees them, nobody maps them
                 self.host.remove_shm(orphans)
                 self.journal.event("cleanup", f"removed {len(orphans)} NCCL shm segment(s) nobody maps", names=orphans)
-            gpu_problems = self._gpu_verdict(self.host.gpu_snapshot())[1] if self.recipe.gpu.check else []
+            gpu_problems = self.gpus.verdict(self.host.gpu_snapshot())[1] if self.recipe.gpu.check else []
             ready = policy.readiness_verdict(
                 self.host.monotonic() - begun, floor_s, bound_s, self.host.leftovers(self.run_id), gpu_problems,
                 {n: pids for n, pids in shm.items() if pids},
@@ -573,26 +548,6 @@ class Supervisor:
 
     def _phase(self) -> Phase:
         return Phase.TRAINING if self.attempt and self.attempt.first_step is not None else Phase.STARTUP
-
-    def _run_gpus(self) -> list[int]:
-        return gpu.run_gpus(self.recipe.parallel.nproc_per_node, self.recipe.env.vars.get("CUDA_VISIBLE_DEVICES"))
-
-    def _gpu_verdict(self, snap: GpuSnapshot) -> tuple[bool, list[str]]:
-        self.metrics.gpu_memory(snap)
-        clear, problems = gpu.clear_verdict(snap, self._run_gpus(), self.recipe.gpu.clear_threshold_mib)
-        self.metrics.gpus_clear(clear, self.host.now())
-        return clear, problems
-
-    def _clear_gpus(self, snap: GpuSnapshot, problems: list[str]) -> None:
-        """Kill our own leftovers; a foreign holder only when its command line matches gpu.kill_patterns."""
-        own = set(self.host.leftovers(self.run_id))
-        foreign = gpu.holders(snap, self._run_gpus()) - own
-        allowed = [pid for pid in foreign
-                   if any(re.search(pat, self.host.cmdline(pid)) for pat in self.recipe.gpu.kill_patterns)]
-        self.host.kill(sorted(own | set(allowed)))
-        spared = sorted(foreign - set(allowed))
-        self.journal.event("gpus_not_clear", "; ".join(problems), killed_own=sorted(own), killed_foreign=allowed,
-                           spared_foreign=spared)
 
     def _scan_checkpoints(self, force: bool = False) -> bool:
         mono = self.host.monotonic()

@@ -11,9 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator.domain import costs
+from orchestrator.domain import costs, progress
 from orchestrator.store import manifest
-from orchestrator.domain import progress
 from orchestrator.store.checkpoints import logged_losses
 from orchestrator.host.launch.local import FileTail, Launched
 from orchestrator.types import Attempt, Crash, Decision, Progress, Resume

@@ -7,8 +7,7 @@ import importlib.util
 
 import pytest
 
-from orchestrator.store import checkpoints
-from orchestrator.store import manifest
+from orchestrator.store import checkpoints, manifest
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import recipe_hash

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.host import evidence
-from orchestrator.host import gpu
+from orchestrator.host import evidence, gpu
 from orchestrator.host.evidence import AttemptEvidence, KernelLine, kernel_lines, oom_kills, parse_kmsg_record
 from orchestrator.host.base import LocalHost
 from orchestrator.types import Command, CrashClass, Phase

@@ -24,7 +24,7 @@ LAYERS = {
     "domain": {"domain"},
     "host": {"host"},
     "store": {"store"},
-    "loop": {"supervisor", "watch", "preflight"},
+    "loop": {"supervisor", "watch", "preflight", "save_interval"},
     "ops": {"ops", "__main__"},
 }
 ORDER = list(LAYERS)

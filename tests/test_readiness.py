@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from orchestrator.host import pagecache
-from orchestrator.host import shm
+from orchestrator.host import pagecache, shm
 from orchestrator.domain.policy import READY_POLL_S, Readiness, readiness_verdict, settle_floor
 from orchestrator.config.recipe import SupervisorSection
 from orchestrator.types import CrashClass

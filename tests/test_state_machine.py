@@ -552,7 +552,7 @@ def test_auto_save_interval_is_chosen_at_every_launch_from_the_evidence(world, m
     drive(sup, State.LAUNCHING)  # the tiny model's save written at a speed that makes it take 100 s
     monkeypatch.setattr(interval, "DEFAULT_WRITE_BYTES_PER_S", sup.save_gib * 2**30 / 100)
     t = running(sup, host)
-    first = interval.starting_choice(sup.save_gib * 2**30, *sup.step_time)
+    first = interval.starting_choice(sup.save_gib * 2**30, *sup.intervals.step_time)
     assert _argv_save_steps(t) == first.steps
     ev = [e for e in journal(sup).events(200) if e["kind"] == "save_interval"]
     assert len(ev) == 1 and ev[0]["data"]["steps"] == first.steps and "prior" in ev[0]["data"]["save_source"]

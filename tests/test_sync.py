@@ -19,9 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoints import make_megatron, make_merged, make_swift
 
 from orchestrator.store import checkpoints as ck
-from orchestrator.store import copytree
+from orchestrator.store import copytree, sync
 from orchestrator.store import manifest as mf
-from orchestrator.store import sync
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_RSYNC = sync.shutil.which("rsync") is not None

@@ -13,9 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoints import make_swift
 
-from orchestrator.store import copytree
+from orchestrator.store import copytree, sync
 from orchestrator.store import manifest as mf
-from orchestrator.store import sync
 from orchestrator.store.tailhash import TailHasher
 
 

@@ -15,11 +15,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from orchestrator.host import evidence
-from orchestrator.host import gpu
+from orchestrator.host import evidence, gpu, pagecache, shm
 from orchestrator.host.launch import local as launcher
-from orchestrator.host import pagecache
-from orchestrator.host import shm
 from orchestrator.host.probe import free_gib, port_free
 from orchestrator.types import Command, ExitStatus, GpuSnapshot, SystemEvidence
 

@@ -12,8 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from orchestrator.domain import goodput
-from orchestrator.domain import progress
+from orchestrator.domain import goodput, progress
 from orchestrator.domain.costs import mean_save
 from orchestrator.domain.goodput import goodput_of
 from orchestrator.host.journal import Journal, journal_path

@@ -8,8 +8,7 @@ import os
 import threading
 from pathlib import Path
 
-from orchestrator.store import checkpoints
-from orchestrator.store import sync
+from orchestrator.store import checkpoints, sync
 from orchestrator.store import manifest as mf
 from orchestrator.store.published import PublishLock, publish_dir, published
 from orchestrator.config.recipe import Recipe, RecipeError, recipe_hash, semantic_view

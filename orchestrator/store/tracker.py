@@ -9,8 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from orchestrator.store import checkpoints
-from orchestrator.store import manifest
+from orchestrator.store import checkpoints, manifest
 from orchestrator.domain import retention
 from orchestrator.store.checkpoints import step_of
 from orchestrator.host.journal import Journal
