@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 import psutil  # noqa: E402
 
-from orchestrator import launcher  # noqa: E402
+from orchestrator.host.launch import local as launcher  # noqa: E402
 from orchestrator.config.recipe import load  # noqa: E402
 from orchestrator.config.render.command import render_command  # noqa: E402
 from orchestrator.supervisor import Supervisor  # noqa: E402

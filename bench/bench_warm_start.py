@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from orchestrator import pagecache  # noqa: E402
+from orchestrator.host import pagecache  # noqa: E402
 from orchestrator.host.launch import local as launcher
 from orchestrator.config.recipe import load  # noqa: E402
 from orchestrator.config.render.command import render_command  # noqa: E402
