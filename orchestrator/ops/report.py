@@ -83,7 +83,7 @@ def attempt_row(a: Attempt) -> dict:
             "evidence": list(a.evidence), "start_step": a.start_step, "end_step": a.end_step,
             "resumed_from": a.resumed_from, "log": a.log_path,
             "startup_s": a.startup_s, "save_s": a.save_s, "save_count": a.save_count or 0,
-            "system": a.system}
+            "system": a.system, "kind": a.kind}
 
 
 def costs_data(attempts: list[Attempt], kv: dict) -> dict:
@@ -117,7 +117,8 @@ def history_table(data: dict) -> str:
     rows = [f"{'#':>3} {'exit':>8} {'class':<20} {'steps':<13} resumed from"]
     for a in data["attempts"]:
         ex = f"sig {a['signal']}" if a["signal"] is not None else ("" if a["exit_code"] is None else str(a["exit_code"]))
-        steps = f"{a['start_step'] or 0}->{a['end_step'] if a['end_step'] is not None else '?'}"
+        steps = ("export" if a.get("kind") == "export" else
+                 f"{a['start_step'] or 0}->{a['end_step'] if a['end_step'] is not None else '?'}")
         rows.append(f"{a['n']:>3} {ex:>8} {a['class'] or '-':<20} {steps:<13} {a['resumed_from'] or '-'}")
     g = data["goodput"]
     lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
