@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,30 @@ def write_recipe_in_tmp_path(tmp_path):
 def _node_state_dir(tmp_path_factory, monkeypatch):
     """Every test's supervisors keep their node history (node_history.py) in a temporary directory, never ~."""
     monkeypatch.setenv("ORCHESTRATOR_NODE_STATE_DIR", str(tmp_path_factory.mktemp("node-state")))
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """mount_tmpfs(options, name) -> a fresh size-limited tmpfs under tmp_path, unmounted after the test: a real
+    filesystem that fills up. Needs root and mount permission; skipped with the reason otherwise."""
+    mounted = []
+
+    def mount(options: str = "size=48m", name: str = "disk") -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        if os.geteuid() != 0:
+            pytest.skip("mounting a size-limited tmpfs needs root")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture
+def small_disk(mount_tmpfs):
+    """A 48 MiB tmpfs: the full-disk and retention tests' disk."""
+    return mount_tmpfs("size=48m")

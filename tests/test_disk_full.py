@@ -5,28 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
-
-import pytest
 
 from supervised import attempts, events, fake_recipe, wait_for
 from orchestrator.config.recipe import load
 from orchestrator.supervisor import Supervisor
 from orchestrator.types import Action, CrashClass, ExitCode, State
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def fill(path, leave: int = 0) -> None:

@@ -17,7 +17,7 @@ from orchestrator.host.evidence import AttemptEvidence, KernelLine, kernel_lines
 from orchestrator.host.base import LocalHost
 from orchestrator.types import Command, CrashClass, Phase
 from orchestrator.domain.verdict import NO_OOM_RECORD, classify_attempt
-from test_disk_full import fill, small_disk  # noqa: F401 (a fixture)
+from test_disk_full import fill
 
 V1_MEMORY = Path("/sys/fs/cgroup/memory")
 # A trainer stand-in: waits on a FIFO (the test's go), then touches `MiB` MiB of memory page by page.
@@ -124,7 +124,7 @@ def test_a_listener_on_the_rendezvous_port_is_found_by_pid(tmp_path):
 NCCL = "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error"
 
 
-def test_a_full_filesystem_at_the_crash_outranks_the_log(small_disk):  # noqa: F811
+def test_a_full_filesystem_at_the_crash_outranks_the_log(small_disk):
     out = small_disk / "out"
     out.mkdir()
     fill(small_disk / "filler.bin")
@@ -135,24 +135,15 @@ def test_a_full_filesystem_at_the_crash_outranks_the_log(small_disk):  # noqa: F
     assert crash.cls is CrashClass.DISK_FULL and crash.evidence[0].startswith(f"disk full at the crash: {out} has 0")
 
 
-def test_no_free_inode_is_a_full_disk(tmp_path):
-    mnt = tmp_path / "inodes"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=64", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        with pytest.raises(OSError):
-            for i in range(1000):
-                (mnt / f"f{i}").touch()
-        system, _ = evidence.disk_space({"output_dir": str(mnt)})
-        assert system[0].free_inodes == 0 and system[0].free_bytes > 4 << 20
-        crash = classify_attempt(NCCL, None, Phase.TRAINING, evidence_of(system), 0.001)
-        assert crash.cls is CrashClass.DISK_FULL and "no free inodes" in crash.evidence[0]
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def test_no_free_inode_is_a_full_disk(mount_tmpfs):
+    mnt = mount_tmpfs("size=8m,nr_inodes=64", "inodes")
+    with pytest.raises(OSError):
+        for i in range(1000):
+            (mnt / f"f{i}").touch()
+    system, _ = evidence.disk_space({"output_dir": str(mnt)})
+    assert system[0].free_inodes == 0 and system[0].free_bytes > 4 << 20
+    crash = classify_attempt(NCCL, None, Phase.TRAINING, evidence_of(system), 0.001)
+    assert crash.cls is CrashClass.DISK_FULL and "no free inodes" in crash.evidence[0]
 
 
 def evidence_of(disks):

@@ -10,13 +10,12 @@ import sys
 import textwrap
 
 from supervised import attempts, events, fake_recipe, journal, published_at, supervise
-from test_disk_full import small_disk  # noqa: F401 (a fixture)
 from orchestrator.types import ExitCode
 
 MIB = 1 << 20
 
 
-def test_checkpoints_that_would_fill_the_disk_fit_with_retention(tmp_path, small_disk):  # noqa: F811 (the fixture)
+def test_checkpoints_that_would_fill_the_disk_fit_with_retention(tmp_path, small_disk):
     out = small_disk / "out"
     # 12 saves x 8 ranks x 1 MiB = 96+ MiB of checkpoints on a 48 MiB disk: only retention makes it fit.
     recipe = fake_recipe(tmp_path, iterations=36, save_steps=3, extra_env={"FAKE_SHARD_MB": "1", "FAKE_STEP_S": "0.1"},

@@ -237,17 +237,9 @@ def test_check_publish_is_a_warning(speed, ok):
 # --- a real small filesystem ---------------------------------------------------------------------
 
 @pytest.fixture
-def tmpfs(tmp_path):
-    """A 64 MiB tmpfs (needs root and mount permission)."""
-    d = tmp_path / "tmpfs"
-    d.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)], capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    yield d
-    subprocess.run(["umount", str(d)], check=True)
+def tmpfs(mount_tmpfs):
+    """A 64 MiB tmpfs."""
+    return mount_tmpfs("size=64m", "tmpfs")
 
 
 def sized_recipe(write_recipe, tmp_path, out: Path, merge: str, merged_mib: int = 24) -> Path:

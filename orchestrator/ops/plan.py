@@ -2,30 +2,20 @@
 would start with, and the pre-flight checks (preflight.py, the same list `run` refuses to launch on)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from orchestrator.config import estimate
 from orchestrator.host import gpu
 from orchestrator.domain import interval
 from orchestrator.host.probe import first_free_port, probe_write
 from orchestrator.host.node_history import NodeHistory
 from orchestrator import preflight
-from orchestrator.preflight import GIB, check_publish, stoppers, storage_budget
-from orchestrator.config.recipe import Recipe, read_model_config, recipe_hash
+from orchestrator.preflight import GIB, check_publish, model_config, stoppers, storage_budget
+from orchestrator.config.recipe import Recipe, recipe_hash
 from orchestrator.config.render.command import render_command
 from orchestrator.store.rundir import run_id
 from orchestrator.types import Check, GpuSnapshot
 
 def memory(r: Recipe, snap: GpuSnapshot) -> estimate.MemoryEstimate:
-    cfg = read_model_config(r)
-    total_bytes = None
-    try:
-        index = json.loads((Path(r.model.path) / "model.safetensors.index.json").read_text())
-        total_bytes = int(index["metadata"]["total_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    cfg = cfg or estimate.known_config(r.model.path)
+    cfg, total_bytes = model_config(r)
     shape = estimate.shape_from_config(cfg, total_bytes) if cfg else None
     capacity = snap.gpus[0].memory_total_bytes / GIB if snap.gpus else r.gpu.capacity_gib
     return estimate.estimate(r, shape, capacity)
