@@ -278,8 +278,9 @@ def copy_tree(src: Path, dst: Path, rels: Iterable[str], link_dest: Path | None,
             abort.set()
             for f in futures:
                 f.cancel()
-            failed = [x for f in futures if not f.cancelled() and (x := f.exception()) is not None]
-            raise (failed[0] if failed and "cancelled" not in str(failed[0]) else e)  # the cause, not rsync's kill
+            raise _cause(futures) or e  # the failing thread's own error, not rsync's kill or a sibling's cancel
+        if (cause := _cause(futures)) is not None:
+            raise cause
         results = [f.result() for f in futures]
     digests = hasher.digests()
     for (rel, _), (copied, got) in zip(large, results):
@@ -289,6 +290,13 @@ def copy_tree(src: Path, dst: Path, rels: Iterable[str], link_dest: Path | None,
             digests[rel] = got[1]
     _fsync_tree(dst, done=digests)
     return n, digests
+
+
+def _cause(futures: list) -> BaseException | None:
+    """The first error of a large-file thread that is not a cancellation (one failing thread cancels the others,
+    and the first of them in the list may report only that)."""
+    errors = [x for f in futures if not f.cancelled() and (x := f.exception()) is not None]
+    return next((x for x in errors if "cancelled" not in str(x)), errors[0] if errors else None)
 
 
 def _stat(path: Path) -> os.stat_result | None:
