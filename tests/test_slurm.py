@@ -127,7 +127,10 @@ def two_node_recipe(tiny, out: Path, *extra: str):
                        "checkpoint.save_steps=5", "checkpoint.merge=\"never\"",  # the export phase is tested elsewhere
                        "metrics.listen=\"127.0.0.1:0\"", "metrics.linger_s=0",
                        "supervisor.wait_s=0.5", "supervisor.poll_s=0.1", "supervisor.grace_s=5",
-                       f"supervisor.port_range=[{lo}, {hi}]", *extra])
+                       f"supervisor.port_range=[{lo}, {hi}]",
+                       # each run preprocesses its own dataset cache (--load_from_cache_file): runs compared by loss
+                       # must not share one another run may be writing
+                       f"env.vars.MODELSCOPE_CACHE={json.dumps(str(out / 'modelscope'))}", *extra])
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
