@@ -413,3 +413,14 @@ def test_costs_show_in_status_history_and_the_report(tmp_path):
     finally:
         ro.close()
     assert "<h2>Costs</h2>" in page and "save 55.0 s mean of 4" in page and "40.0 s × 3" in page
+
+
+@pytest.mark.parametrize("cls, evidence, label", [
+    ("host_oom_killed", ["SIGKILL; no kernel OOM record for the run's processes", "exit: signal 9"],
+     "host_oom_killed (SIGKILL, no kernel OOM record)"),
+    ("host_oom_killed", ["SIGKILL; kernel OOM killer killed pid 1234 (python) at 12:03:05"], "host_oom_killed"),
+    ("nccl_error", ["ncclUnhandledCudaError"], "nccl_error"),
+])
+def test_the_console_says_when_a_sigkill_was_no_oom(cls, evidence, label):
+    from orchestrator.ops.report import crash_label
+    assert crash_label({"class": cls, "evidence": evidence}) == label

@@ -15,6 +15,7 @@ from pathlib import Path
 from orchestrator.domain import goodput, progress
 from orchestrator.domain.costs import mean_save
 from orchestrator.domain.goodput import goodput_of
+from orchestrator.domain.verdict import NO_OOM_RECORD
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir, published_steps as own_published_steps
 from orchestrator.config.recipe import Recipe
@@ -340,6 +341,13 @@ def status_view(r: Recipe, j: Journal, watch: bool = False, *, console=None, ref
 
 # ------------------------------------------------------------------------------------------ summary, HTML
 
+def crash_label(a: dict) -> str:
+    """A crash's class for the console; a SIGKILL the kernel did not record as an OOM kill says so plainly."""
+    if a["class"] == "host_oom_killed" and any(e.startswith(NO_OOM_RECORD) for e in a["evidence"]):
+        return "host_oom_killed (SIGKILL, no kernel OOM record)"
+    return a["class"]
+
+
 def summary(r: Recipe) -> str:
     path = journal_path(state_dir(r.run.output_dir))
     if not path.exists():
@@ -349,7 +357,7 @@ def summary(r: Recipe) -> str:
         data, kv = history_data(r, j), j.get_all()
     finally:
         j.close()
-    classes = Counter(a["class"] for a in data["attempts"] if a["class"])
+    classes = Counter(crash_label(a) for a in data["attempts"] if a["class"])
     last_step = max((a["end_step"] or 0 for a in data["attempts"]), default=0)
     lines = [f"summary: {r.run.name} {kv.get('state')}: step {last_step}/{r.optim.iterations or '?'}, "
              f"{len(data['attempts'])} attempt(s), crashes: "
