@@ -108,3 +108,11 @@ def mount_tmpfs(tmp_path):
 def small_disk(mount_tmpfs):
     """A 48 MiB tmpfs: the full-disk and retention tests' disk."""
     return mount_tmpfs("size=48m")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The tiny MoE and its chat dataset (orchestrator/ops/tiny.py), built once for every real-swift test."""
+    from orchestrator.ops import tiny
+
+    return tiny.build(tmp_path_factory.mktemp("tiny"))

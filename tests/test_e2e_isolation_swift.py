@@ -26,13 +26,6 @@ DEMO = Path(__file__).resolve().parents[1] / "orchestrator" / "data" / "demo-cpu
 STEPS = 40
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from orchestrator.ops import tiny
-
-    return tiny.build(tmp_path_factory.mktemp("tiny"))
-
-
 def test_a_drifted_run_beside_a_running_one_loses_nothing(tiny, tmp_path):
     lo, hi = free_port_range(20)
     sets = [f"model.path={json.dumps(tiny['model'])}", f"data.dataset=[{json.dumps(tiny['data'])}]",

@@ -33,13 +33,6 @@ pytestmark = [pytest.mark.swift,
 DEMO = Path(__file__).resolve().parents[1] / "orchestrator" / "data" / "demo-cpu.toml"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from orchestrator.ops import tiny
-
-    return tiny.build(tmp_path_factory.mktemp("tiny"))
-
-
 def recipe(tiny, out: Path, *extra: str):
     lo, hi = free_port_range(20)
     return load(DEMO, [f"model.path={json.dumps(tiny['model'])}", f"data.dataset=[{json.dumps(tiny['data'])}]",

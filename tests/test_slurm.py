@@ -111,13 +111,6 @@ def allocation(cluster, monkeypatch):
     cluster.run("scancel", job, check=False)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from orchestrator.ops import tiny
-
-    return tiny.build(tmp_path_factory.mktemp("tiny"))
-
-
 def two_node_recipe(tiny, out: Path, *extra: str):
     lo, hi = free_port_range(20)
     return load(DEMO, [f"model.path={json.dumps(tiny['model'])}", f"data.dataset=[{json.dumps(tiny['data'])}]",
