@@ -320,6 +320,12 @@ class Supervisor:
         if exited and a.row.kind == "export":
             return self._export_finished(a)
         if exited and a.done and a.launched.status.code == 0:
+            torn = self.checkpoints.failed_at(a.last.step) if a.last else ()
+            if torn:  # not complete: the newest verified checkpoint is older than the last step
+                return self._crashed(Crash(CrashClass.OTHER, (
+                    f"the trainer exited 0 at step {a.last.step} but its final checkpoint failed verification: "
+                    "not complete; find why the save broke, then rerun to redo the steps after the newest "
+                    "verified checkpoint",) + torn, Phase.TRAINING))
             return self._training_finished(a) if self.recipe.checkpoint.merge == "final" else State.COMPLETED
         if exited:
             return self._crashed(None)

@@ -77,6 +77,26 @@ def test_merge_never_completes_at_the_last_step(world):
     assert "training_done" not in journal(sup).get_all()
 
 
+@pytest.mark.parametrize("merge", ["never", "final"])
+def test_a_final_checkpoint_that_fails_verification_is_not_complete(world, merge):
+    """Exit 0 at the last step is complete only when the last save verifies: with merge = "final" the
+    export would otherwise merge an older checkpoint as the run's result, steps short."""
+    sup, host = world(lora=FINAL["lora"], checkpoint={"merge": merge})
+    drive(sup, State.RUNNING)
+    t = host.trainers[-1]
+    make_megatron(sup.out, MAX // 2)
+    adapter = make_megatron(sup.out, MAX) / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])  # a torn save
+    t.steps(1, MAX, MAX)
+    t.exit(code=0)
+    assert sup.step() is State.CRASHED
+    crash = sup.attempt.crash
+    assert crash.cls is CrashClass.OTHER and f"exited 0 at step {MAX}" in crash.evidence[0]
+    assert any(f"checkpoint-{MAX}" in e for e in crash.evidence[1:]), crash.evidence
+    assert sup.step() is State.CLEANING and sup.attempt.decision.action is Action.GIVE_UP
+    assert "training_done" not in journal(sup).get_all()
+
+
 def _ok(sup, t):
     write_export(Path(option(t.cmd.argv, "output_dir")))
     t.exit(code=0)

@@ -34,6 +34,7 @@ class CheckpointTracker:
         # (step, ok) of the newest checkpoint verified so far (a rewrite of that step replaces it):
         # the checkpoint_invalid alert is raised exactly while it failed. Unlike `seen`, never forgotten.
         self.newest_verdict: tuple[int, bool] | None = None
+        self.newest_problems: tuple[str, ...] = ()  # and why it failed
         lora = recipe.lora
         self.expect = checkpoints.LoraExpect(lora.rank, lora.alpha, tuple(lora.target_modules))
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
@@ -48,7 +49,7 @@ class CheckpointTracker:
             if self.stale.pop(info.path, None) is not None:  # rewritten: its manifest described the old files
                 (Path(info.path) / manifest.MANIFEST).unlink(missing_ok=True)
             self.seen[info.path] = info.ok
-            self._verdict(info.step, info.ok)
+            self._verdict(info.step, info.ok, tuple(info.problems))
             saved = _mtime(info.path, now)
             self.journal.record_checkpoint(info.step, info.path, info.ok, info.problems, info.loss, self.hash, saved)
             if info.ok:
@@ -79,12 +80,16 @@ class CheckpointTracker:
             else:
                 self.unhashed.pop(path)
 
-    def _verdict(self, step: int, ok: bool) -> None:
+    def _verdict(self, step: int, ok: bool, problems: tuple[str, ...]) -> None:
         before = self.newest_verdict
         if before is None or step >= before[0]:  # discover() goes by step: the newest is verified last
-            self.newest_verdict = (step, ok)
+            self.newest_verdict, self.newest_problems = (step, ok), problems
             if (before is not None and not before[1]) != (not ok):
                 self.metrics.alert(Alert.CHECKPOINT_INVALID, not ok)
+
+    def failed_at(self, step: int) -> tuple[str, ...]:
+        """Why the newest checkpoint failed verification when it is the one saved at `step`; () otherwise."""
+        return self.newest_problems if self.newest_verdict == (step, False) else ()
 
     def newest_good_step(self) -> int:
         return max((step_of(p) for p, ok in self.seen.items() if ok), default=-1)
