@@ -100,7 +100,7 @@ def test_always_explicit(shipped, name, resume):
 
 
 MEGATRON_NEVER = ["resume_from_checkpoint"]
-SWIFT_NEVER = ["finetune", "mcore_adapter", "adapters"]
+SWIFT_NEVER = ["finetune", "mcore_adapter", "adapters", "async_save"]
 
 
 @pytest.mark.parametrize("backend,resume,present,absent", [
@@ -142,6 +142,8 @@ def test_resume_flags(request, backend, resume, present, absent):
     (["checkpoint.keep_optimizer=false"], "no_save_rng", ["true"]),
     (["checkpoint.merge_lora=true"], "merge_lora", ["true"]),
     (["checkpoint.save_total_limit=3"], "save_total_limit", ["3"]),
+    ([], "async_save", ["false"]),
+    (["checkpoint.async_save=true"], "async_save", ["true"]),
     (['lora.target_modules=["linear_qkv", "linear_proj"]'], "target_modules", ["linear_qkv", "linear_proj"]),
     (["parallel.tensor=2", "parallel.sequence_parallel=true"], "sequence_parallel", ["true"]),
     (["memory.recompute_granularity=full", "memory.recompute_method=block", "memory.recompute_num_layers=2"],
@@ -362,7 +364,7 @@ def test_core_rendered_flags_are_managed(megatron):
     assert all(flags.check_extra_arg("megatron", f) for f in core)
 
 
-@pytest.mark.parametrize("key", ["seed", "val_dataset", "save_total_limit"])
+@pytest.mark.parametrize("key", ["seed", "val_dataset", "save_total_limit", "async_save"])
 def test_extra_arg_the_recipe_already_renders_is_refused(write_recipe, key):
     """A flag rendered from a recipe key but not in flags.MANAGED (the recipe cannot see the renderer)."""
     path = write_recipe(data={"val_dataset": ["v.jsonl"]}, checkpoint={"save_total_limit": 3},

@@ -154,6 +154,9 @@ class CheckpointSection(_Section):
     step_time_s: float | None = Field(default=None, gt=0)  # seconds per step for the storage budget; unset: per-model default
     save_on_stop: bool = True            # swift: --enable_jit_checkpoint (a save on SIGTERM); megatron has none
     save_total_limit: int | None = Field(default=None, ge=2)
+    # megatron --async_save: the mcore shards are written by a background process while training goes on;
+    # only last-checkpoint (moved once they are durable) then marks a save complete. Outside the hash.
+    async_save: bool = False
     keep_persistent: int = Field(default=3, gt=0)  # newest K published copies (plus the best-loss one)
     sync_interval_s: float = Field(default=300, gt=0)
     resume_loss_tolerance: float = Field(default=0.05, ge=0)  # relative; resume divergence check
@@ -333,6 +336,9 @@ def combination_problems(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
         if m.optimizer_cpu_offload or m.recompute_granularity == "full":
             out.append((("memory", "run.backend"),
                         "recompute/optimizer offload settings apply to run.backend = \"megatron\""))
+        if r.checkpoint.async_save:
+            out.append((("checkpoint.async_save", "run.backend"), "`swift sft` has no --async_save (a megatron sft "
+                        "option); set checkpoint.async_save = false or run.backend = \"megatron\""))
         if r.checkpoint.merge == "every_save":
             out.append((("checkpoint.merge", "run.backend"), "checkpoint.merge = \"every_save\": `swift sft` has no "
                         "--merge_lora; use checkpoint.merge = \"final\" (`swift export --adapters <ckpt> --merge_lora "
@@ -343,6 +349,15 @@ def combination_problems(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
     elif o.epochs is not None and not float(o.epochs).is_integer():
         out.append((("optim.epochs",), f"megatron sft takes a whole number of epochs (--num_train_epochs is an "
                                        f"int), got {o.epochs}; use optim.iterations for a partial epoch"))
+    if r.checkpoint.async_save and r.run.backend == "megatron":
+        if r.checkpoint.save_total_limit is not None:
+            out.append((("checkpoint.async_save", "checkpoint.save_total_limit"), "ms-swift refuses --async_save with "
+                        "--save_total_limit; unset checkpoint.save_total_limit (checkpoint.keep_local prunes "
+                        "verified copies instead) or set checkpoint.async_save = false"))
+        if not r.checkpoint.keep_optimizer:
+            out.append((("checkpoint.async_save", "checkpoint.keep_optimizer"), "has no effect with keep_optimizer = "
+                        "false: ms-swift then saves no mcore shards and writes every save synchronously; set "
+                        "checkpoint.async_save = false"))
     for key, v in r.extra_args.items():
         problem = flags.check_extra_arg(r.run.backend, key)
         if problem:

@@ -47,6 +47,8 @@ def arguments(r: Recipe, resume: Resume | None, save_steps: int | None = None) -
         ("save_safetensors", True), ("merge_lora", c.merge == "every_save"),  # "final": exported after training
         ("no_save_optim", not c.keep_optimizer), ("no_save_rng", not c.keep_optimizer),
         ("save_total_limit", c.save_total_limit), ("ddp_timeout", p.ddp_timeout_s),
+        # the shards written in the background; complete once last-checkpoint names it (store/checkpoints.py)
+        ("async_save", c.async_save),
     ]
     if resume is None:
         pairs.append(("finetune", True))
