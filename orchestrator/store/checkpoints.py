@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.domain import progress
-from orchestrator.store.manifest import manifest_matches, read_manifest
+from orchestrator.store.manifest import manifest_matches, manifest_stale, read_manifest
 from orchestrator.types import CheckpointInfo
 
 try:  # imported here, not on first use: the first check must not stall the supervisor's loop
@@ -122,14 +122,21 @@ def check_header(header: Any, header_len: int, file_len: int, name: str) -> tupl
 
 
 def completeness(backend: str | None, names: set[str], step: int, last_step: int | None,
-                 merged: bool = False, newer_exists: bool = False) -> str | None:
+                 merged: bool = False, newer_exists: bool = False, async_save: bool = False) -> str | None:
     """None when checkpoint-`step` (whose entries are `names`) counts as fully written, else why not.
 
     `last_step` is the step `<output_dir>/last-checkpoint` points at; the trainer moves it only after a
     save is durable, so it (or a newer one) proves completeness for both backends.
+    `async_save`: a megatron save under --async_save (its args.json says so) writes the iteration file at
+    once and the mcore shards in the background; only the link (moved in the async request's finalize,
+    after the synchronous safetensors) marks it complete: the caller passes `last_step` only when the link
+    was moved after this checkpoint's iteration file (or a fresh manifest of ours vouches for it).
     """
     if last_step is not None and last_step >= step:
         return None
+    if async_save and not merged:
+        return ("last-checkpoint does not point at it or later yet: with --async_save the mcore shards are "
+                "written in the background after the iteration file")
     if merged:
         # the merge of N finishes before checkpoint-(N+k) starts; otherwise weights + config must be there
         if newer_exists or ("config.json" in names and names & {"model.safetensors", "model.safetensors.index.json"}):
@@ -243,6 +250,43 @@ def _link_step(output_dir: Path) -> int | None:
     return step if (output_dir / target).is_dir() else None
 
 
+def _link(output_dir: Path) -> tuple[int, int] | None:
+    """(step, when it was moved, ns) of last-checkpoint, dangling or not: --async_save's completeness mark."""
+    try:
+        link = output_dir / "last-checkpoint"
+        step = int(CKPT_RE.fullmatch(Path(os.readlink(link)).name).group(1))
+        return step, os.lstat(link).st_mtime_ns
+    except (OSError, AttributeError):
+        return None
+
+
+def saved_async(p: Path, names: Collection[str]) -> bool:
+    """Whether megatron checkpoint `p` was saved with --async_save: its args.json (the run's arguments,
+    copied in at the start of the save) says so. Unreadable: False (the synchronous rule)."""
+    if "args.json" not in names:
+        return False
+    try:
+        return json.loads((p / "args.json").read_text()).get("async_save") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def async_proof(p: Path, step: int) -> int | None:
+    """The `last_step` completeness() may trust for async checkpoint `p`: the link's step when the link was
+    moved at or after p's iteration file was written (a link older than it vouches for an earlier save of
+    the same name, not for this one), else `step` when a manifest of ours covers p's files unchanged (we
+    hash only verified checkpoints: a restored or published copy), else None."""
+    link = _link(p.parent)
+    try:
+        marker = (p / ITER_FILE).stat().st_mtime_ns
+    except OSError:
+        return None  # the iteration file precedes the link: without it the save has not got that far
+    if link is not None and link[0] >= step and link[1] >= marker:
+        return link[0]
+    m = read_manifest(p)
+    return step if m is not None and not manifest_stale(p, m) else None
+
+
 def _int_file(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
@@ -302,10 +346,12 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
         problems.append(f"this is a {kind} sft checkpoint; the recipe's backend is {backend}: "
                         f"use a recipe with run.backend = \"{kind}\" to verify or resume from it")
         backend = kind
+    is_async = False
     if m or mm:
         step, merged = int((m or mm).group(1)), mm is not None
         newer = any((q := CKPT_RE.fullmatch(e.name)) and int(q.group(1)) > step for e in p.parent.iterdir())
-        last_step = _link_step(p.parent)
+        is_async = not merged and backend in (None, "megatron") and kind == "megatron" and saved_async(p, names)
+        last_step = async_proof(p, step) if is_async else _link_step(p.parent)
     else:  # copied under another name: its own files say the step; no siblings or link speak for it
         merged = "config.json" in names and bool(names & {"model.safetensors", "model.safetensors.index.json"})
         step, newer, last_step = step_from_files(p, kind), False, None
@@ -313,7 +359,7 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
             problems.append(f"{p.name}: not named checkpoint-N and its step is unreadable (no trainer_state.json "
                             f"global_step, no {ITER_FILE}): an incomplete or damaged copy; {REDO}")
             return Verification(False, None, False, tuple(problems), path=str(p), kind=kind)
-    why = completeness(backend, names, step, last_step, merged, newer)
+    why = completeness(backend, names, step, last_step, merged, newer, is_async)
     if why is not None:
         problems.append(f"{p.name}: incomplete: {why} (still being written?); wait for the save to finish or "
                         f"resume from an earlier checkpoint")
