@@ -121,8 +121,6 @@ BAD = [
      ["extra_args.lr", "learning_rate"]),
     ("async-save-with-save-total-limit", {"checkpoint": {"async_save": True, "save_total_limit": 3}},
      ["checkpoint.async_save", "ms-swift refuses --async_save with --save_total_limit", "keep_local"]),
-    ("async-save-without-optimizer", {"checkpoint": {"async_save": True, "keep_optimizer": False}},
-     ["checkpoint.async_save", "no effect with keep_optimizer = false"]),
     ("async-save-swift", {"run": {"backend": "swift"}, "parallel": {"expert": 1}, "checkpoint": {"async_save": True}},
      ["checkpoint.async_save", "`swift sft` has no --async_save"]),
     ("extra-empty-list", {"extra_args": {"modules_to_save": []}}, ["extra_args.modules_to_save", "empty list"]),

@@ -214,6 +214,43 @@ def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
     b = storage.budget(r, cfg, total)
     assert r.checkpoint.merge == "final"
     assert sum(b.per_save_bytes.values()) == R.ORCH_SAVE_BYTES and b.final_merged_bytes == R.MERGED_BYTES
+    assert b.per_save_bytes["adapter"] == R.ADAPTER_BYTES and r.parallel.nproc_per_node == R.RANKS
+    assert r.checkpoint.async_save is R.Inputs().async_save is True
+
+
+def test_async_save_blocks_for_the_safetensors_and_the_staging_only():
+    w, bg = 2**30, R.ORCH_SAVE_BYTES - R.ADAPTER_BYTES
+    a, sync = R.Inputs(), R.Inputs(async_save=False)
+    assert a.orch_save_s == pytest.approx(R.ADAPTER_BYTES / w + bg / 8 / 10e9)
+    assert a.orch_background_s == pytest.approx(bg / w)
+    assert sync.orch_save_s == pytest.approx(R.ORCH_SAVE_BYTES / w) and sync.orch_background_s == 0
+    sc = R.priced(FIELD, a)
+    assert (sc.save_s, sc.save_bg_s) == (a.orch_save_s, a.orch_background_s)
+    text = R.format_report(R.ett_report(FIELD, a, seeds=2))
+    assert "async_save" in text and "10 GB/s" in text and "in the background" in text
+
+
+def test_a_crash_during_the_background_write_loses_that_save():
+    """The save in flight is no resume point: more steps redone than with synchronous saves, same saves paid."""
+    base = Scenario(per_step={"fla_backward_oom": 1 / 300}, save_steps=50, save_s=5.0, total_steps=5000)
+    slow = with_(base, save_bg_s=20 * base.step_s)
+    seeds = range(20)
+    lost = [sum(simulate(sc, "orchestrator", s, NO_GUARDS).lost["lost_progress"] for s in seeds) for sc in (base, slow)]
+    assert lost[1] > lost[0] * 1.2
+
+
+def test_an_interval_shorter_than_the_background_write_waits_for_it():
+    sc = Scenario(total_steps=1000, save_steps=100, save_s=10.0, save_bg_s=100 * 18.0 + 50)
+    r = simulate(sc, "orchestrator", 0)
+    assert r.lost["checkpoint"] == pytest.approx(9 * (10.0 + 50.0))
+    assert simulate(with_(sc, save_bg_s=100.0), "orchestrator", 0).lost["checkpoint"] == pytest.approx(9 * 10.0)
+
+
+def test_auto_interval_is_at_least_the_background_write():
+    from orchestrator.domain.interval import Evidence, choose
+    c = choose(Evidence(1.0, "x", 18.0, "x", 0, 0.0, "x", background_s=1000.0))
+    assert c.steps == math.ceil(1000 / 18) and "background write of 1000 s" in c.clamped
+    assert choose(Evidence(1.0, "x", 18.0, "x", 0, 0.0, "x")).steps == 10
 
 
 def test_priced_charges_each_loop_its_own_saves_waits_and_starts():

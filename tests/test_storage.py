@@ -154,7 +154,7 @@ def test_budget_merged_copy_bandwidth_is_the_issues_420():
     ([], 1000, 1, "budget"),                        # 2 kept + export = 1087.3 GiB do not fit; 1 does (913.4)
     ([], 10, 1, "budget"),                          # never below 1: the disk check then fails instead
     (["checkpoint.keep_local=3"], 10, 3, "recipe"),  # the recipe's number is never lowered by the budget
-    (["checkpoint.save_total_limit=2", "checkpoint.keep_local=5"], None, 2, "recipe"),  # ms-swift's limit caps
+    (["checkpoint.save_total_limit=2", "checkpoint.keep_local=5", "checkpoint.async_save=false"], None, 2, "recipe"),  # ms-swift's limit caps
 ])
 def test_keep_local_default_from_the_budget(overrides, available_gib, keep, source):
     b = budget_of(R397, *overrides, available=None if available_gib is None else available_gib * GIB)

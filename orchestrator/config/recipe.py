@@ -156,6 +156,7 @@ class CheckpointSection(_Section):
     save_total_limit: int | None = Field(default=None, ge=2)
     # megatron --async_save: the mcore shards are written by a background process while training goes on;
     # only last-checkpoint (moved once they are durable) then marks a save complete. Outside the hash.
+    # With keep_optimizer = false ms-swift saves no shards and turns it off itself (nothing to overlap).
     async_save: bool = False
     keep_persistent: int = Field(default=3, gt=0)  # newest K published copies (plus the best-loss one)
     sync_interval_s: float = Field(default=300, gt=0)
@@ -354,10 +355,6 @@ def combination_problems(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
             out.append((("checkpoint.async_save", "checkpoint.save_total_limit"), "ms-swift refuses --async_save with "
                         "--save_total_limit; unset checkpoint.save_total_limit (checkpoint.keep_local prunes "
                         "verified copies instead) or set checkpoint.async_save = false"))
-        if not r.checkpoint.keep_optimizer:
-            out.append((("checkpoint.async_save", "checkpoint.keep_optimizer"), "has no effect with keep_optimizer = "
-                        "false: ms-swift then saves no mcore shards and writes every save synchronously; set "
-                        "checkpoint.async_save = false"))
     for key, v in r.extra_args.items():
         problem = flags.check_extra_arg(r.run.backend, key)
         if problem:

@@ -48,6 +48,9 @@ class Evidence:
     failures: float           # this run + node history, without the prior
     hours: float
     failure_source: str
+    # --async_save: the background write of the mcore shards (bytes / write speed), which must finish
+    # before the next save starts; save_s is then only the blocking part. 0: saves are synchronous.
+    background_s: float = 0.0
 
     @property
     def mtbf_s(self) -> float:
@@ -68,6 +71,8 @@ class Choice:
         e = self.evidence
         why = (f"every {self.steps} steps (~{self.interval_s / 60:.0f} min): Young/Daly for save {e.save_s:.0f} s"
                f" and MTBF {e.mtbf_s / HOUR:.2f} h (sqrt(2CM) = {self.young_s / 60:.0f} min) at {e.step_s:g} s/step")
+        if e.background_s:
+            why += f" (async_save: {e.background_s:.0f} s of background write per save)"
         if self.clamped:
             why += f", {self.clamped}"
         return (f"{why}; save cost {e.save_source}; step time {e.step_source}; failures {e.failure_source}; "
@@ -98,12 +103,14 @@ def choose(e: Evidence, bounds: Bounds = Bounds()) -> Choice:
     young = math.sqrt(2 * e.save_s * e.mtbf_s)
     steps = max(1, round(daly(e.save_s, e.mtbf_s) / e.step_s))
     clamped = ""
-    floor_s = e.save_s * (1 - bounds.max_save_share) / bounds.max_save_share
+    floor_s = max(e.save_s * (1 - bounds.max_save_share) / bounds.max_save_share, e.background_s)
     lo = max(bounds.min_steps, math.ceil(floor_s / e.step_s))
     hi = max(lo, math.floor(bounds.max_interval_s / e.step_s))
     if steps < lo:
         steps, clamped = lo, (f"raised to {lo} (at least {bounds.min_steps} steps, at most "
-                              f"{bounds.max_save_share:.0%} of the time saving)")
+                              f"{bounds.max_save_share:.0%} of the time saving"
+                              + (f", the background write of {e.background_s:.0f} s done before the next save"
+                                 if e.background_s else "") + ")")
     elif steps > hi:
         steps, clamped = hi, f"lowered to {hi} (at most {bounds.max_interval_s / HOUR:g} h between saves)"
     t = steps * e.step_s

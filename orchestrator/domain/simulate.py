@@ -67,7 +67,9 @@ class Scenario:
     step_s: float = 18.0               # one training step
     save_steps: int | str = 100        # a checkpoint every N steps (resume point); orchestrator: or "auto"
     total_steps: int = 20_000          # the run: 100 h of training at 18 s/step
-    save_s: float = 0.0                # time to write one checkpoint (charged to "checkpoint")
+    save_s: float = 0.0                # time one save stops training (charged to "checkpoint")
+    save_bg_s: float = 0.0             # orchestrator, async_save: the background write after it; a save is a
+                                       # resume point only once it is done, and the next save waits for it
     startup_s: float = 480.0           # launch -> first step (a 400B model's load: 5-10 min)
     # What the two loops do differently about saves, waits and starts (issue 13). None: as above.
     plain_save_steps: int | None = None  # the field's interval (100)
@@ -179,6 +181,12 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
     if fixed == "auto" and not orch:
         raise ValueError('save_steps = "auto" is the orchestrator\'s; the plain loop saves every plain_save_steps')
     save_s = sc.save_s if orch or sc.plain_save_s is None else sc.plain_save_s
+    bg_s = sc.save_bg_s if orch else 0.0
+
+    def save_cost(k: int) -> float:
+        """What one save stops training for: its blocking part, plus, when the interval is shorter than the
+        background write, waiting for the previous one (ms-swift overlaps at most that)."""
+        return save_s + max(0.0, bg_s - k * dt)
     failures, exposed_s = 0, 0.0  # what the orchestrator has seen so far: training crashes, training time
     started = False               # a start-up after the first is a relaunch (startup_ratio)
     ckpt = 0                      # steps kept (the newest checkpoint)
@@ -192,7 +200,7 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
     def interval_now() -> int:
         if fixed != "auto":
             return int(fixed)
-        ev = Evidence(save_s, "scenario", dt, "scenario", failures, exposed_s / HOUR, "this run")
+        ev = Evidence(save_s, "scenario", dt, "scenario", failures, exposed_s / HOUR, "this run", bg_s)
         return choose(ev).steps
 
     def after_crash(cls: CrashClass, progress: bool) -> None:
@@ -265,21 +273,24 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
         if steps >= left:  # completes
             saves = (sc.total_steps - 1) // k - ckpt // k  # the last step needs no resume point
             clk.charge("productive", left * dt)
-            clk.charge("checkpoint", saves * save_s + (sc.final_export_s if orch else 0.0), "checkpoint_saves")
+            clk.charge("checkpoint", saves * save_cost(k) + (sc.final_export_s if orch else 0.0), "checkpoint_saves")
             ckpt = sc.total_steps
             res.completed = True
             break
         steps = int(steps)
         failures += 1                             # a training crash: interval.run_failures counts it
         crash_step = ckpt + steps                 # steps completed before the failing one
-        new_ckpt = crash_step // k * k
-        saves = new_ckpt // k - ckpt // k
+        saved = crash_step // k * k               # the newest save started (at absolute multiples of k, as
+        saves = saved // k - ckpt // k           # ms-swift does: after a resume from 87 at k = 60, at 120)
+        new_ckpt = max(ckpt, saved)
+        if saves and (crash_step - saved) * dt < bg_s:  # its background write was still running: lost with it
+            new_ckpt = max(ckpt, saved - k)
         clk.cause = cls.value
-        exposed_s += (crash_step - ckpt) * dt + saves * save_s
+        exposed_s += (crash_step - ckpt) * dt + saves * save_cost(k)
         clk.charge("productive", (new_ckpt - ckpt) * dt)
-        clk.charge("checkpoint", saves * save_s, "checkpoint_saves")
+        clk.charge("checkpoint", saves * save_cost(k), "checkpoint_saves")
         clk.charge("lost_progress", (crash_step - new_ckpt + rng.random()) * dt)
-        saved_since_launch = saves > 0
+        saved_since_launch = new_ckpt > ckpt
         if cls is CrashClass.NCCL_TIMEOUT_HANG:
             if orch:  # no new step for hang_timeout_s; stacks; SIGTERM, grace_s, SIGKILL
                 clk.charge("hang", cfg.hang_timeout_s)

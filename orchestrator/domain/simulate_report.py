@@ -5,6 +5,14 @@ The orchestrator: its recipe's save (storage budget bytes at the write speed), s
 every launch) or fixed, the verified-ready relaunch, a relaunch start-up ratio (1 until measured). The
 plain loop: the field's exact procedure: the merged copy at every save, every 100 steps, `sleep 90`,
 no hang detection.
+
+checkpoint.async_save (megatron --async_save; ms-swift 4.6 megatron/trainers/base.py save_checkpoint): the
+save stops training for the adapter safetensors (bridge.save_weights, synchronous; the merged copy too
+with merge = "every_save") at the write speed, plus each rank's copy of its mcore shard bytes to host
+memory (megatron-core's async preload: the shards are staged in CPU memory, then a forked process writes
+them) at D2H_BYTES_PER_S. The write of the shards runs in the background (bytes / write speed): a save is
+a resume point only once it is done, and the next save waits for it (a floor on the interval). Not
+modelled: the save's planning collectives (seconds) and what the background writer takes from the CPUs.
 """
 from __future__ import annotations
 
@@ -17,11 +25,19 @@ MIXES = {"field": FIELD, "harsh": HARSH}
 
 GIB = 2**30
 # The storage budget (storage.py) of the shipped recipes/qwen3.5-397b-a17b-lora-ep8.toml (rank 32,
-# keep_optimizer, merge = "final"): adapter 28.3 GiB + mcore shards 145.6 GiB per save, and the merged
-# model, 739.5 GiB, exported once after the last step. The field's command merges at every save: both.
-# tests/test_simulate.py checks these against storage.budget of the shipped recipe.
-ORCH_SAVE_BYTES = 186_737_819_648
+# keep_optimizer, merge = "final"): adapter 28.3 GiB + mcore shards 145.6 GiB (+ 0.5 MiB RNG/scheduler) per
+# save, and the merged model, 739.5 GiB, exported once after the last step. The field's command merges at
+# every save: both. tests/test_simulate.py checks these against storage.budget of the shipped recipe.
+ADAPTER_BYTES = 30_440_202_240           # adapter_model.safetensors: written synchronously
+ORCH_SAVE_BYTES = 186_737_819_648        # + mcore shards and RNG/scheduler state: the background part
 MERGED_BYTES = 794_000_000_000
+RANKS = 8                                # the shipped recipe's GPUs: each stages its share of the shards
+# Device-to-host copy rate per GPU for the async save's staging, 10 GB/s: a conservative figure. An H100/H200
+# SXM's host link is PCIe Gen5 x16, 64 GB/s per direction (NVIDIA's H100 datasheet); pinned-memory copies
+# reach ~50 GB/s, pageable ones (what a plain `tensor.to("cpu")` gets) ~10-25 GB/s, and eight GPUs copy at
+# once through the host's memory. With optimizer_cpu_offload the Adam state is in host memory already (a
+# host copy, faster): charged at this rate too.
+D2H_BYTES_PER_S = 10e9
 DEFAULT_READY_S = 5.0          # verified-ready relaunch: issue 13's target, relaunched within 5 s of the exit
 DEFAULT_STARTUP_RATIO = 1.0    # no measured start-up speed-up: the documented 8 minutes for every start
 
@@ -31,6 +47,10 @@ class Inputs:
     """What `orchestrator simulate` prices, stated next to every result."""
 
     orch_save_bytes: float = ORCH_SAVE_BYTES        # per save, the orchestrator's recipe
+    orch_sync_bytes: float = ADAPTER_BYTES          # of which written before training goes on, async or not
+    async_save: bool = True                         # the shipped recipe's checkpoint.async_save
+    d2h_bytes_per_s: float = D2H_BYTES_PER_S        # async_save: per GPU, staging the shards in host memory
+    ranks: int = RANKS
     orch_final_bytes: float = MERGED_BYTES          # merge = "final": the one export; 0 otherwise
     plain_save_bytes: float = ORCH_SAVE_BYTES + MERGED_BYTES  # the field's command: merged copy at every save
     write_bytes_per_s: float = float(DEFAULT_WRITE_BYTES_PER_S)  # the plan's default (interval.py)
@@ -46,12 +66,26 @@ class Inputs:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["orch_save_s"], d["plain_save_s"] = self.orch_save_s, self.plain_save_s
+        d["orch_background_s"] = self.orch_background_s
         d["final_export_s"] = self.orch_final_bytes / self.write_bytes_per_s
         return d
 
     @property
+    def orch_background_bytes(self) -> float:
+        return self.orch_save_bytes - self.orch_sync_bytes
+
+    @property
     def orch_save_s(self) -> float:
-        return self.orch_save_bytes / self.write_bytes_per_s
+        """What one save stops training for."""
+        if not self.async_save:
+            return self.orch_save_bytes / self.write_bytes_per_s
+        return (self.orch_sync_bytes / self.write_bytes_per_s
+                + self.orch_background_bytes / self.ranks / self.d2h_bytes_per_s)
+
+    @property
+    def orch_background_s(self) -> float:
+        """async_save: the shards' write after the save returns (must end before the next save)."""
+        return self.orch_background_bytes / self.write_bytes_per_s if self.async_save else 0.0
 
     @property
     def plain_save_s(self) -> float:
@@ -76,7 +110,7 @@ def at_crash_rate(sc: Scenario, per_hour: float) -> Scenario:
 def priced(mix: Scenario, i: Inputs = Inputs()) -> Scenario:
     """`mix` with the saves, waits and starts of `i`: the orchestrator's recipe against the field's procedure."""
     sc = at_crash_rate(mix, i.crash_rate_per_h) if i.crash_rate_per_h is not None else mix
-    return replace(sc, save_steps=i.save_steps, save_s=i.orch_save_s, final_export_s=i.orch_final_bytes / i.write_bytes_per_s,
+    return replace(sc, save_steps=i.save_steps, save_s=i.orch_save_s, save_bg_s=i.orch_background_s, final_export_s=i.orch_final_bytes / i.write_bytes_per_s,
                    plain_save_steps=i.plain_save_steps, plain_save_s=i.plain_save_s, plain_wait_s=i.plain_wait_s,
                    ready_s=i.ready_s, startup_s=i.startup_s, startup_ratio=i.startup_ratio)
 
@@ -118,9 +152,18 @@ def format_report(d: dict) -> str:
             s = r["save_interval_steps"]
             lines.append(f"  {'':<12} save interval {s['first']} steps at the first launch, {s['min']}-{s['max']} later")
     speed = i["write_bytes_per_s"] / GIB
+    if i["async_save"]:
+        bg = i["orch_save_bytes"] - i["orch_sync_bytes"]
+        save = (f"{i['orch_save_bytes'] / GIB:,.1f} GiB per save ({i['source']}), async_save: blocking "
+                f"{i['orch_sync_bytes'] / GIB:,.1f} GiB written synchronously at {speed:g} GiB/s + {bg / GIB:,.1f} GiB "
+                f"staged to host memory by {i['ranks']} GPUs at {i['d2h_bytes_per_s'] / 1e9:g} GB/s each = "
+                f"{i['orch_save_s']:.0f} s, then written in the background at {speed:g} GiB/s = "
+                f"{i['orch_background_s']:.0f} s (a resume point once done; the next save waits for it)")
+    else:
+        save = (f"{i['orch_save_bytes'] / GIB:,.1f} GiB per save ({i['source']}) at {speed:g} GiB/s = "
+                f"{i['orch_save_s']:.0f} s, blocking")
     lines += ["inputs:",
-              f"  orchestrator: {i['orch_save_bytes'] / GIB:,.1f} GiB per save ({i['source']}) at {speed:g} GiB/s = "
-              f"{i['orch_save_s']:.0f} s; save_steps {i['save_steps']}; final merged export "
+              f"  orchestrator: {save}; save_steps {i['save_steps']}; final merged export "
               f"{i['orch_final_bytes'] / GIB:,.1f} GiB = {i['final_export_s']:.0f} s; relaunch "
               + (f"verified ready {i['ready_s']:g} s after the exit (nccl_* at least nccl_settle_s)"
                  if i["ready_s"] is not None else "after the fixed supervisor.wait_s")
