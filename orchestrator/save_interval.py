@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from orchestrator.config.recipe import Recipe
-from orchestrator.domain import interval
+from orchestrator.domain import interval, storage
 from orchestrator.host.journal import Journal
 from orchestrator.host.metrics import Metrics
 from orchestrator.host.node_history import NodeHistory
@@ -17,10 +17,11 @@ GIB = 1024**3
 
 class SaveIntervals:
     def __init__(self, recipe: Recipe, journal: Journal, metrics: Metrics, run_id: str, save_bytes: float,
-                 step_time: tuple[float, str]):
-        """`save_bytes`, `step_time` (seconds, where it came from): the storage budget's, the priors until measured."""
+                 step_time: tuple[float, str], background_bytes: float = 0.0):
+        """`save_bytes` (of which `background_bytes` written by --async_save after the save returns),
+        `step_time` (seconds, where it came from): the storage budget's, the priors until measured."""
         self.recipe, self.journal, self.metrics, self.run_id = recipe, journal, metrics, run_id
-        self.save_bytes, self.step_time = save_bytes, step_time
+        self.save_bytes, self.step_time, self.background_bytes = save_bytes, step_time, background_bytes
         self.node = NodeHistory()  # earlier runs' failures on this node
 
     def choose(self, n: int, now: float) -> int:
@@ -29,7 +30,8 @@ class SaveIntervals:
         save_steps = self.recipe.checkpoint.save_steps
         if save_steps == "auto":
             choice = interval.choose(interval.evidence(earlier, self.node.others(self.run_id), self.save_bytes,
-                                                       None, *self.step_time, now))
+                                                       None, *self.step_time, now, self.background_bytes,
+                                                       storage.ranks(self.recipe)))
             save_steps = choice.steps
             self.journal.event("save_interval", f"attempt {n}: {choice.reason}", **choice.as_dict(),
                                **({"node_history_unwritten": unwritten} if unwritten else {}))

@@ -34,7 +34,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from orchestrator import preflight
-from orchestrator.domain import classify, policy, verdict
+from orchestrator.domain import classify, policy, storage, verdict
 from orchestrator.host import gpu, pagecache
 from orchestrator.host.base import Host
 from orchestrator.host.gpu_gate import GpuGate
@@ -187,7 +187,8 @@ class Supervisor:
         budget, _ = preflight.storage_budget(r)
         self.keep_local, self.save_gib = budget.keep_local, sum(budget.per_save_bytes.values()) / GIB
         self.intervals = SaveIntervals(r, self.journal, self.metrics, self.run_id, self.save_gib * GIB,
-                                       (budget.step_time_s, budget.step_time_source))
+                                       (budget.step_time_s, budget.step_time_source),
+                                       storage.background_bytes(r, budget.per_save_bytes))
         self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:

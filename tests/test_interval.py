@@ -87,6 +87,22 @@ def test_evidence_prior_then_measured():
     assert I.choose(e).steps < I.choose(I.evidence([], (0, 0), 174 * GIB, None, 18.0, "x", 0)).steps
 
 
+def test_async_save_prior_is_the_blocking_part_and_the_background_write_stays_after_a_measurement():
+    # 397B: 28.3 GiB adapter written before training goes on + 145.6 GiB of shards staged by 8 GPUs, then
+    # written in the background
+    bg = 145.6 * GIB
+    e = I.evidence([], (0, 0), 173.9 * GIB, None, 18.0, "x", 0, bg, 8)
+    assert e.save_s == pytest.approx(28.3 + bg / 8 / I.D2H_BYTES_PER_S)
+    assert e.background_s == pytest.approx(145.6) and "145.6 GiB of it written in the background" in e.save_source
+    sync = I.evidence([], (0, 0), 173.9 * GIB, None, 18.0, "x", 0)
+    assert I.choose(e).steps < I.choose(sync).steps, "a cheaper pause: saves more often"
+    assert I.choose(e).interval_s >= e.background_s, "the next save never waits for the last one"
+    rows = [att(1, 0, 7800, CrashClass.NCCL_ERROR, first_step_at=600, last_step_at=7000, start_step=0, end_step=321,
+                save_s=31.0, save_count=3)]
+    measured = I.evidence(rows, (0, 0), 173.9 * GIB, None, 18.0, "x", 7800, bg, 8)
+    assert measured.save_s == 31.0 and measured.background_s == pytest.approx(145.6)
+
+
 def test_starting_choice_follows_the_write_speed():
     slow = I.starting_choice(174 * GIB, 18.0, write_bytes_per_s=0.25 * GIB)
     fast = I.starting_choice(174 * GIB, 18.0, write_bytes_per_s=4 * GIB)

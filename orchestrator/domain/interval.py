@@ -26,6 +26,9 @@ from orchestrator.types import Attempt, CrashClass
 
 HOUR = 3600.0
 DEFAULT_WRITE_BYTES_PER_S = 1 << 30  # 1 GiB/s: one local NVMe through a filesystem with fsync; `plan` probes the real one
+# --async_save: each GPU stages its share of the mcore shards in host memory before training goes on. Conservative:
+# PCIe Gen5 x16 is 64 GB/s per direction (H100 datasheet), pinned copies reach ~50 GB/s; not measured here (no GPU).
+D2H_BYTES_PER_S = 10e9
 PRIOR_FAILURES = 2.0                  # prior: 2 failures in 4.5 h of running (the field's ~0.44 per hour)
 PRIOR_HOURS = 4.5
 # Exits that say nothing about the node's failure rate: a stop, a port taken at launch, a full disk.
@@ -142,28 +145,44 @@ def measured_step_s(attempts: list[Attempt]) -> float | None:
     return secs / steps if steps > 0 and secs > 0 else None
 
 
+def save_seconds(save_bytes: float, background_bytes: float, ranks: int, write_bytes_per_s: float
+                 ) -> tuple[float, float]:
+    """(seconds a save stops training for, seconds of background write after it returns). `background_bytes`:
+    what --async_save writes after the save returns (the mcore shards; 0 when saves are synchronous), staged
+    in host memory first by `ranks` GPUs at D2H_BYTES_PER_S each."""
+    blocking = (save_bytes - background_bytes) / write_bytes_per_s + background_bytes / max(ranks, 1) / D2H_BYTES_PER_S
+    return blocking, background_bytes / write_bytes_per_s
+
+
 def evidence(attempts: list[Attempt], node: tuple[float, float], save_bytes: float, write_bytes_per_s: float | None,
-             budget_step_s: float, step_source: str, now: float) -> Evidence:
+             budget_step_s: float, step_source: str, now: float, background_bytes: float = 0.0,
+             ranks: int = 1) -> Evidence:
     """The chooser's inputs for a run: its journal's attempts, the node's other runs (failures, hours), the
-    storage budget's bytes per save, a probed write speed (None: the default) and the budget's step time."""
+    storage budget's bytes per save (of which `background_bytes` written by --async_save after the save
+    returns, by `ranks` GPUs), a probed write speed (None: the default) and the budget's step time. A measured
+    save is what training stopped for: the background write stays the budget's."""
+    speed = write_bytes_per_s or DEFAULT_WRITE_BYTES_PER_S
+    prior, background = save_seconds(save_bytes, background_bytes, ranks, speed)
     save, n = mean_save((a.save_s, a.save_count) for a in attempts)
     if save is not None:
         save_source = f"measured ({n} save{'s' if n != 1 else ''} of this run)"
     else:
-        speed = write_bytes_per_s or DEFAULT_WRITE_BYTES_PER_S
-        save = save_bytes / speed
+        save = prior
         save_source = (f"prior: {save_bytes / 2**30:,.1f} GiB per save (storage budget) at {speed / 2**20:,.0f} MiB/s"
-                       + ("" if write_bytes_per_s else " (default write speed)"))
+                       + ("" if write_bytes_per_s else " (default write speed)")
+                       + (f", {background_bytes / 2**30:,.1f} GiB of it written in the background (async_save)"
+                          if background_bytes else ""))
     step = measured_step_s(attempts)
     step_s, step_src = (step, "measured") if step else (budget_step_s, f"prior: {step_source}")
     f_run, h_run = run_failures(attempts, now)
     f_node, h_node = node
     src = (f"{f_run} in {h_run:.1f} h of this run, {f_node:g} in {h_node:.1f} h of earlier runs on this node, "
            f"prior {PRIOR_FAILURES:g} in {PRIOR_HOURS:g} h")
-    return Evidence(save, save_source, step_s, step_src, f_run + f_node, h_run + h_node, src)
+    return Evidence(save, save_source, step_s, step_src, f_run + f_node, h_run + h_node, src, background)
 
 
 def starting_choice(save_bytes: float, step_s: float, step_source: str = "storage budget",
-                    write_bytes_per_s: float | None = None) -> Choice:
+                    write_bytes_per_s: float | None = None, background_bytes: float = 0.0, ranks: int = 1) -> Choice:
     """The interval a run with no evidence yet starts with (`plan`, and the storage budget's save interval)."""
-    return choose(evidence([], (0.0, 0.0), save_bytes, write_bytes_per_s, step_s, step_source, 0.0))
+    return choose(evidence([], (0.0, 0.0), save_bytes, write_bytes_per_s, step_s, step_source, 0.0,
+                           background_bytes, ranks))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from orchestrator.domain.interval import DEFAULT_WRITE_BYTES_PER_S
+from orchestrator.domain.interval import D2H_BYTES_PER_S, DEFAULT_WRITE_BYTES_PER_S, save_seconds
 from orchestrator.domain.simulate import FIELD, HARSH, HOUR, LOOPS, TRAINING_CLASSES, Scenario, Summary, compare, simulate
 
 MIXES = {"field": FIELD, "harsh": HARSH}
@@ -37,7 +37,6 @@ RANKS = 8                                # the shipped recipe's GPUs: each stage
 # reach ~50 GB/s, pageable ones (what a plain `tensor.to("cpu")` gets) ~10-25 GB/s, and eight GPUs copy at
 # once through the host's memory. With optimizer_cpu_offload the Adam state is in host memory already (a
 # host copy, faster): charged at this rate too.
-D2H_BYTES_PER_S = 10e9
 DEFAULT_READY_S = 5.0          # verified-ready relaunch: issue 13's target, relaunched within 5 s of the exit
 DEFAULT_STARTUP_RATIO = 1.0    # no measured start-up speed-up: the documented 8 minutes for every start
 
@@ -49,7 +48,6 @@ class Inputs:
     orch_save_bytes: float = ORCH_SAVE_BYTES        # per save, the orchestrator's recipe
     orch_sync_bytes: float = ADAPTER_BYTES          # of which written before training goes on, async or not
     async_save: bool = True                         # the shipped recipe's checkpoint.async_save
-    d2h_bytes_per_s: float = D2H_BYTES_PER_S        # async_save: per GPU, staging the shards in host memory
     ranks: int = RANKS
     orch_final_bytes: float = MERGED_BYTES          # merge = "final": the one export; 0 otherwise
     plain_save_bytes: float = ORCH_SAVE_BYTES + MERGED_BYTES  # the field's command: merged copy at every save
@@ -67,25 +65,23 @@ class Inputs:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["orch_save_s"], d["plain_save_s"] = self.orch_save_s, self.plain_save_s
         d["orch_background_s"] = self.orch_background_s
+        d["d2h_bytes_per_s"] = D2H_BYTES_PER_S  # async_save: per GPU, staging the shards in host memory
         d["final_export_s"] = self.orch_final_bytes / self.write_bytes_per_s
         return d
 
     @property
     def orch_background_bytes(self) -> float:
-        return self.orch_save_bytes - self.orch_sync_bytes
+        return self.orch_save_bytes - self.orch_sync_bytes if self.async_save else 0.0
 
     @property
     def orch_save_s(self) -> float:
         """What one save stops training for."""
-        if not self.async_save:
-            return self.orch_save_bytes / self.write_bytes_per_s
-        return (self.orch_sync_bytes / self.write_bytes_per_s
-                + self.orch_background_bytes / self.ranks / self.d2h_bytes_per_s)
+        return save_seconds(self.orch_save_bytes, self.orch_background_bytes, self.ranks, self.write_bytes_per_s)[0]
 
     @property
     def orch_background_s(self) -> float:
         """async_save: the shards' write after the save returns (must end before the next save)."""
-        return self.orch_background_bytes / self.write_bytes_per_s if self.async_save else 0.0
+        return save_seconds(self.orch_save_bytes, self.orch_background_bytes, self.ranks, self.write_bytes_per_s)[1]
 
     @property
     def plain_save_s(self) -> float:

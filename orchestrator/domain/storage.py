@@ -157,10 +157,23 @@ def budget(r: Recipe, cfg: Mapping | None, total_bytes: int | None = None,
     persistent = (c.keep_persistent + 1) * published + final_merged if has_persistent else None
     step_s, step_src = (c.step_time_s, "checkpoint.step_time_s") if c.step_time_s \
         else step_time_default(r.model.path)
-    steps = c.save_steps if c.save_steps != "auto" else starting_choice(sum(parts.values()), step_s, step_src).steps
+    steps = c.save_steps if c.save_steps != "auto" else starting_choice(
+        sum(parts.values()), step_s, step_src, None, background_bytes(r, parts), ranks(r)).steps
     interval = steps * step_s
     return StorageBudget(parts, published, final_merged, keep, source, local, persistent, step_s, step_src,
                          interval, published / interval if has_persistent else 0.0, tuple(notes))
+
+
+def background_bytes(r: Recipe, parts: Mapping[str, int]) -> int:
+    """What --async_save writes after a save returns: all but the adapter safetensors and the merged copy,
+    which ms-swift writes before training goes on; 0 when saves are synchronous."""
+    if not r.checkpoint.async_save:
+        return 0
+    return sum(parts.values()) - parts.get("adapter", 0) - parts.get("merged", 0)
+
+
+def ranks(r: Recipe) -> int:
+    return r.parallel.nproc_per_node * r.parallel.nnodes
 
 
 def gib(n: float) -> str:

@@ -401,9 +401,9 @@ def _simulate_bytes(r: Recipe) -> dict:
     own = storage.budget(r, cfg, total)
     field = storage.budget(r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"merge": "every_save"})}),
                            cfg, total)
-    sync = own.per_save_bytes.get("adapter", 0) + own.per_save_bytes.get("merged", 0)  # async_save writes the rest later
-    return {"orch_save_bytes": sum(own.per_save_bytes.values()), "orch_sync_bytes": sync,
-            "async_save": r.checkpoint.async_save, "ranks": r.parallel.nproc_per_node,
+    total_save = sum(own.per_save_bytes.values())
+    return {"orch_save_bytes": total_save, "orch_sync_bytes": total_save - storage.background_bytes(r, own.per_save_bytes),
+            "async_save": r.checkpoint.async_save, "ranks": storage.ranks(r),
             "orch_final_bytes": own.final_merged_bytes,
             "plain_save_bytes": sum(field.per_save_bytes.values()), "source": f"storage budget of {r.run.name}",
             "recipe_save_steps": r.checkpoint.save_steps}

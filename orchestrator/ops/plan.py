@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from orchestrator.config import estimate
 from orchestrator.host import gpu
-from orchestrator.domain import interval
+from orchestrator.domain import interval, storage
 from orchestrator.host.probe import first_free_port, probe_write
 from orchestrator.host.node_history import NodeHistory
 from orchestrator import preflight
@@ -42,9 +42,11 @@ def save_interval(r: Recipe, storage_out: dict) -> dict:
     prior save cost (bytes per save at the probed output_dir write speed, else the default), the step time of
     the storage budget and the failures of earlier runs on this node (node_history.py)."""
     speed = storage_out["disks"]["output_dir"].get("write_bytes_per_s")
+    parts = storage_out["per_save_bytes"]
     auto = interval.choose(interval.evidence(
-        [], NodeHistory().others(run_id(r.run.output_dir)), sum(storage_out["per_save_bytes"].values()), speed,
-        storage_out["step_time_s"], storage_out["step_time_source"], 0.0))
+        [], NodeHistory().others(run_id(r.run.output_dir)), sum(parts.values()), speed,
+        storage_out["step_time_s"], storage_out["step_time_source"], 0.0, storage.background_bytes(r, parts),
+        storage.ranks(r)))
     if r.checkpoint.save_steps == "auto":
         return {"mode": "auto", "steps": auto.steps, "reason": auto.reason, "auto": auto.as_dict()}
     return {"mode": "fixed", "steps": r.checkpoint.save_steps,
