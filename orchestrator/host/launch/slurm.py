@@ -103,7 +103,7 @@ def live_steps(job_id: str, step_name: str) -> list[str]:
             if name.strip() == step_name]
 
 
-def _wait_gone(job_id: str, step_name: str, timeout_s: float, step_s: float = 0.2) -> list[str]:
+def wait_steps_gone(job_id: str, step_name: str, timeout_s: float, step_s: float = 0.2) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         left = live_steps(job_id, step_name)
@@ -118,8 +118,9 @@ def cancel_steps(job_id: str, step_name: str, grace_s: float) -> tuple[list[str]
     steps = live_steps(job_id, step_name)
     for sid in steps:
         _slurm("scancel", "--signal=TERM", sid)
-    killed = _wait_gone(job_id, step_name, grace_s)
+        _slurm("scancel", "--signal=CONT", sid)  # a stopped (SIGSTOP) task handles SIGTERM only once continued
+    killed = wait_steps_gone(job_id, step_name, grace_s)
     for sid in killed:
         _slurm("scancel", "--signal=KILL", sid)
-    left = _wait_gone(job_id, step_name, SLURM_TIMEOUT_S) if killed else []
+    left = wait_steps_gone(job_id, step_name, SLURM_TIMEOUT_S) if killed else []
     return killed, left
