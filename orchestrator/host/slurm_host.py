@@ -96,6 +96,23 @@ class SlurmHost(LocalHost):
             pass  # the controller is unreachable: still stop what runs here
         return super().terminate(run_id, pgids, grace_s)
 
+    def nodes(self) -> tuple[str, ...]:
+        try:
+            return slurm.allocation(self.job_id).nodes[:self.nnodes]
+        except slurm.SlurmError:
+            return ()
+
+    def node_gpu_problems(self, ids: list[int | str], threshold_mib: int) -> dict[str, list[str]]:
+        """Every node's GPUs in one step (`srun ... python -m orchestrator.host.gpu_check`), before each launch."""
+        try:
+            alloc = slurm.allocation(self.job_id)
+        except slurm.SlurmError as e:
+            return {slurm.ALL_NODES: [f"cannot check the nodes' GPUs: {e}"]}
+        return slurm.node_gpu_check(alloc, self.nnodes, ids, threshold_mib)
+
+    def exclude_node(self, node: str) -> str:
+        return slurm.requeue_excluding(self.job_id, node)
+
     def failure_log(self, trainer: SlurmStep) -> tuple[str, str | None]:
         """The failing node's log first (the root cause), srun's lines, then the other nodes' logs
         (cascades: the classifier ranks root causes above them). Returns (text, failing node)."""
