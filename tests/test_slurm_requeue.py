@@ -49,16 +49,16 @@ def job_field(cluster, job: str, name: str) -> str:
 
 
 def wait_job_done(cluster, job: str, timeout_s: float) -> str:
-    """Poll the job until it ends; a requeued job is made eligible at once (Slurm holds a requeued job back
-    ~2 minutes before it may start again: a site delay, not what is tested)."""
-    deadline, nudged = time.monotonic() + timeout_s, set()
+    """Poll the job until it ends. Slurm holds a requeued job back for the credential lifetime (cred_expire,
+    120 s by default; 10 s on the test cluster) before it may start again on nodes that revoked it."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        state, restarts = job_field(cluster, job, "JobState"), job_field(cluster, job, "Restarts")
+        state = job_field(cluster, job, "JobState")
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            return state
-        if state == "PENDING" and restarts not in nudged and restarts != "0":
-            cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
-            nudged.add(restarts)
+            time.sleep(3)  # a job being requeued can read as ended for a moment (the batch script's own exit)
+            if job_field(cluster, job, "JobState") == state:
+                return state
+            continue
         time.sleep(0.5)
     return job_field(cluster, job, "JobState")
 
@@ -99,3 +99,48 @@ def test_a_node_whose_gpus_stay_busy_is_excluded_and_the_job_requeues_and_comple
     finally:
         j.close()
     assert len(runs) == 1 and runs[0].cls is None, "nothing was launched onto n2; one attempt on n1 and n3"
+
+
+def test_the_supervisor_killed_with_9_is_requeued_resumes_and_stops_nothing_of_another_job(cluster, tmp_path):
+    """kill -9 of the supervisor inside the batch job: the batch script sees 137 and requeues the job; the
+    next supervisor (same job id, SLURM_RESTART_COUNT 1) resumes from the journal and checkpoints and
+    completes, while an unrelated job on the third node keeps running."""
+    standin = tmp_path / "gpus.json"
+    standin.write_text(json.dumps({"default": {"gpus": 1}}))
+    other = cluster.run("sbatch", "--parsable", "-N1", "-w", "n3", "-J", "someone-else", "-o", "/dev/null",
+                        "--wrap", "sleep 600").stdout.strip()
+    recipe = fake_recipe(tmp_path, iterations=60, save_steps=5, extra_env={"FAKE_STEP_S": "0.1"},
+                         run={"entrypoint": [sys.executable, "-c", RANK0_ONLY]},
+                         parallel={"nnodes": 2, "nproc_per_node": 1, "expert": 1}, gpu={"check": True})
+    out = Path(load(recipe).run.output_dir)
+    out.mkdir(parents=True)
+    env = {**cluster.env, "PYTHONPATH": str(REPO), "ORCHESTRATOR_GPU_STANDIN": str(standin)}
+    try:
+        job = submit(cluster, tmp_path, recipe, env)
+        pid = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and pid is None:  # the first supervisor, once it saved a checkpoint
+            if (out / "checkpoint-10").exists() or list(out.glob("iter_0000010")):
+                j = journal(out)
+                try:
+                    pid = j.get_all().get("supervisor_pid")
+                finally:
+                    j.close()
+            time.sleep(0.1)
+        assert pid, "the first supervisor ran and saved"
+        os.kill(pid, 9)
+        state = wait_job_done(cluster, job, 150)
+        log = "\n".join(p.read_text() for p in out.glob("slurm-*.out"))
+        assert state == "COMPLETED", f"{state}\n{log[-3000:]}"
+        assert "the supervisor died of signal 9; requeueing" in log
+        assert job_field(cluster, job, "Restarts") == "1"
+        assert job_field(cluster, other, "JobState") == "RUNNING", "the other job was not touched"
+        j = journal(out)
+        try:
+            assert j.get_all()["state"] == "completed"
+            runs = j.attempts()
+        finally:
+            j.close()
+        assert len(runs) >= 2 and runs[-1].cls is None and runs[-1].resumed_from, runs
+    finally:
+        cluster.run("scancel", other, check=False)
