@@ -118,8 +118,11 @@ def cancel_steps(job_id: str, step_name: str, grace_s: float) -> tuple[list[str]
     controller no longer lists the step. Returns (steps that needed SIGKILL, steps still listed)."""
     steps = live_steps(job_id, step_name)
     for sid in steps:
-        _slurm("scancel", "--signal=TERM", sid)
-        _slurm("scancel", "--signal=CONT", sid)  # a stopped (SIGSTOP) task handles SIGTERM only once continued
+        for sig in ("TERM", "CONT"):  # a stopped (SIGSTOP) task handles SIGTERM only once continued
+            try:
+                _slurm("scancel", f"--signal={sig}", sid)
+            except SlurmError:  # the step ended meanwhile (TERM was enough): the wait below says so
+                pass
     killed = wait_steps_gone(job_id, step_name, grace_s)
     for sid in killed:
         _slurm("scancel", "--signal=KILL", sid)
