@@ -222,6 +222,9 @@ class Supervisor:
     def _verify_gpus(self) -> State:
         if self.stop_event.is_set():
             return State.STOPPED
+        if self.gpus.exclude_stuck_node(self.journal):  # multi-node: the job was requeued without a bad node
+            self.request_stop("a bad node was excluded and the Slurm job requeued")
+            return State.STOPPED
         if not self.recipe.gpu.check:
             return self._launch_state()
         started = self.host.now()

@@ -242,6 +242,7 @@ class Alert(StrEnum):
     SUPERVISOR_DOWN = "supervisor_down"            # up / heartbeat: the supervisor cannot raise this one
     GAVE_UP = "gave_up"                            # state gave_up (every give-up path, drift included)
     DISK_FULL = "disk_full"                        # supervisor: waiting for free space
+    NODE_EXCLUDED = "node_excluded"                # supervisor: a bad node left out, the Slurm job requeued
 
 
 # ---- system evidence: what the machine said about a failed attempt (orchestrator/host/evidence.py reads it) ----

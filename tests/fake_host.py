@@ -141,6 +141,17 @@ class FakeHost:
                     tuple(GpuProcess(p, 70_000 * MIB) for p in self.holders.get(i, [])))
             for i in range(self.gpu_count)))
 
+    # a multi-node job (SlurmHost): scripted by setting job_nodes / node_problems; exclude_node is recorded
+    def nodes(self) -> tuple[str, ...]:
+        return getattr(self, "job_nodes", ())
+
+    def node_gpu_problems(self, ids: list[int | str], threshold_mib: int) -> dict[str, list[str]]:
+        return dict(getattr(self, "node_problems", {}))
+
+    def exclude_node(self, node: str) -> str:
+        self.calls.append(("exclude_node", node))
+        return node
+
     def port_free(self, port: int) -> bool:
         return port not in self.taken_ports
 

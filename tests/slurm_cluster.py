@@ -48,6 +48,7 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
+AuthInfo=cred_expire=10
 CredType=cred/none
 MpiDefault=none
 ProctrackType=proctrack/linuxproc

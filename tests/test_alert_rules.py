@@ -28,7 +28,7 @@ EXPECTED_ALERTS = {
     "OrchestratorCrashLoop", "OrchestratorCheckpointStale", "OrchestratorNoTrainingProgress",
     "OrchestratorInvalidCheckpoint", "OrchestratorSyncLagging", "OrchestratorGpusNotClear",
     "OrchestratorNanOrDivergence", "OrchestratorSupervisorDown", "OrchestratorGaveUp",
-    "OrchestratorDiskFull",
+    "OrchestratorDiskFull", "OrchestratorNodeExcluded",
 }
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(

@@ -235,9 +235,9 @@ def alert_series(m: Metrics) -> dict[str, float]:
 def test_supervisor_alerts_are_precreated_raised_and_cleared(m: Metrics):
     # Exactly the alerts the supervisor owns exist, at 0: no series that nothing ever raises.
     assert alert_series(m) == {a.value: 0.0 for a in RAISED_BY_SUPERVISOR}
-    assert RAISED_BY_SUPERVISOR == {Alert.DISK_FULL, Alert.CHECKPOINT_INVALID}
+    assert RAISED_BY_SUPERVISOR == {Alert.DISK_FULL, Alert.CHECKPOINT_INVALID, Alert.NODE_EXCLUDED}
     m.alert(Alert.DISK_FULL, True)
-    assert alert_series(m) == {"disk_full": 1.0, "checkpoint_invalid": 0.0}
+    assert alert_series(m) == {"disk_full": 1.0, "checkpoint_invalid": 0.0, "node_excluded": 0.0}
     m.alert(Alert.DISK_FULL, False)
     assert val(m, "orchestrator_alert_active", alert="disk_full") == 0.0
 

@@ -23,7 +23,7 @@ from orchestrator.host.launch.slurm import Allocation, NodeFailure, first_failur
 from orchestrator.host.node_exec import node_env
 from orchestrator.config.recipe import RecipeError, load
 from orchestrator.supervisor import Supervisor
-from orchestrator.types import ExitCode, State
+from orchestrator.types import CrashClass, ExitCode, State
 from supervised import attempts, free_port_range
 
 DEMO = Path(__file__).resolve().parents[1] / "orchestrator" / "data" / "demo-cpu.toml"
@@ -216,6 +216,28 @@ def test_node_two_sigkilled_kills_node_one_and_resumes_from_the_last_checkpoint(
     if REFERENCE:  # the uninterrupted 2-node run of the test above
         assert resumed[0][1] == pytest.approx(REFERENCE[ckpt + 1], rel=1e-6)
     assert max(s for s, _ in records) == 40
+
+
+@swift
+def test_node_two_sigstopped_is_a_hang_the_step_is_cancelled_and_the_run_resumes(cluster, allocation, tiny, tmp_path):
+    """Node 2 stops (SIGSTOP: no exit, no srun line); rank 0 blocks in its next collective, so its progress
+    stops: a hang after hang_timeout_s. The step is cancelled through Slurm (TERM + CONT: a stopped task
+    handles TERM only once continued), gone from `squeue -s` before the relaunch, which completes."""
+    sup = Supervisor(two_node_recipe(tiny, tmp_path, "supervisor.hang_timeout_s=8"), install_signals=False)
+    stopped: list[int] = []
+    at_step_on_node_two(sup, 6, signal.SIGSTOP, stopped)
+    assert sup.run() == ExitCode.OK
+    assert stopped, "node 2's trainer was found and stopped"
+    runs = attempts(tmp_path / "out")
+    assert len(runs) == 2 and runs[1].cls is None
+    assert runs[0].cls is CrashClass.NCCL_TIMEOUT_HANG and runs[0].hang_detected_at is not None
+    cancel = sup.host.cancels[0]
+    assert len(cancel.steps) == 1 and cancel.steps[0].startswith(f"{allocation}.")
+    assert cancel.killed == () and cancel.left == (), "TERM + CONT ended the stopped tasks within the grace"
+    assert not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert runs[1].started_at > runs[0].ended_at
+    assert max(s for s, _ in losses(tmp_path)) == 40
+    assert not cluster.run("squeue", "-h", "-s", "-j", allocation, "-o", "%i %j").stdout.count("orchestrator-")
 
 
 def test_sbatch_dry_run_prints_a_batch_script_and_submits_nothing(tmp_path):

@@ -60,6 +60,13 @@ class Host(Protocol):
 
     # --- resources
     def gpu_snapshot(self) -> GpuSnapshot: ...
+    # --- the other nodes of a multi-node job (one node: none, {}; SlurmHost: the allocation)
+    def nodes(self) -> tuple[str, ...]:
+        """The job's nodes an attempt runs on; () on one node."""
+    def node_gpu_problems(self, ids: list[int | str], threshold_mib: int) -> dict[str, list[str]]:
+        """Every node's GPU verdict in one parallel check: problems per node not clear; {} on one node."""
+    def exclude_node(self, node: str) -> str:
+        """Requeue this Slurm job without `node`; returns the job's excluded nodes. Raises where it cannot."""
     def port_free(self, port: int) -> bool: ...
     def free_gib(self, path: str) -> float: ...
     def shm_segments(self, run_id: str) -> dict[str, list[int]]:
@@ -144,6 +151,15 @@ class LocalHost:
 
     def gpu_snapshot(self) -> GpuSnapshot:
         return self.gpus.snapshot()
+
+    def nodes(self) -> tuple[str, ...]:
+        return ()
+
+    def node_gpu_problems(self, ids: list[int | str], threshold_mib: int) -> dict[str, list[str]]:
+        return {}
+
+    def exclude_node(self, node: str) -> str:
+        raise RuntimeError("one node: no Slurm job to requeue")
 
     def port_free(self, port: int, host: str = "127.0.0.1") -> bool:
         return port_free(port, host)

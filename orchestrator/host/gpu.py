@@ -64,7 +64,40 @@ def _text(v: str | bytes) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+STANDIN_ENV = "ORCHESTRATOR_GPU_STANDIN"
+
+
+class StandinReader:
+    """TEST SEAM, not a GPU reader: the Slurm tests' stand-in for NVML on machines without GPUs.
+    `ORCHESTRATOR_GPU_STANDIN=<file.json>` maps a node name (SLURMD_NODENAME, else the host name) or
+    "default" to {"gpus": N, "used_mib": M, "pids": [..]}: what that node's GPUs look like. All the test
+    cluster's nodes are one machine, so this is how one of them is made to report busy GPUs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def snapshot(self) -> GpuSnapshot:
+        import json
+        import os
+        import socket
+
+        try:
+            table = json.loads(open(self.path).read())
+        except (OSError, ValueError) as e:
+            return GpuSnapshot(error=f"GPU stand-in {self.path}: {e}")
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        spec = table.get(node, table.get("default", {}))
+        used = int(spec.get("used_mib", 0)) * MIB
+        procs = tuple(GpuProcess(pid) for pid in spec.get("pids", []))
+        return GpuSnapshot(gpus=tuple(GpuInfo(i, "stand-in", 80 * 1024 * MIB, used, procs, f"GPU-standin-{node}-{i}")
+                                      for i in range(int(spec.get("gpus", 8)))))
+
+
 def reader(check: bool) -> GpuReader:
+    import os
+
+    if check and os.environ.get(STANDIN_ENV):
+        return StandinReader(os.environ[STANDIN_ENV])
     return NvmlReader() if check else NullReader()
 
 

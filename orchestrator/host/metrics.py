@@ -32,7 +32,7 @@ from orchestrator.types import Alert, CrashClass, GpuSnapshot, Progress, State
 #   disk_full           raised with policy's WAIT_FOR_SPACE decision; cleared once enough space is free
 #   checkpoint_invalid  raised by run_checkpoints when a checkpoint newer than every verified one fails
 #                       verification; cleared when a newer one verifies ok
-RAISED_BY_SUPERVISOR: frozenset[Alert] = frozenset({Alert.DISK_FULL, Alert.CHECKPOINT_INVALID})
+RAISED_BY_SUPERVISOR: frozenset[Alert] = frozenset({Alert.DISK_FULL, Alert.CHECKPOINT_INVALID, Alert.NODE_EXCLUDED})
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
 

@@ -43,6 +43,13 @@ class SlurmStep:
     status = property(lambda self: self.srun.status)
 
 
+@dataclass(frozen=True)
+class StepCancel:
+    steps: tuple[str, ...]     # the run's steps the controller listed
+    killed: tuple[str, ...]    # those still listed after TERM (+CONT) and the grace: SIGKILLed
+    left: tuple[str, ...]      # still listed after the KILL and SLURM_TIMEOUT_S: Slurm did not clean up
+
+
 def step_name(run_id: str) -> str:
     return f"orchestrator-{run_id}"
 
@@ -51,6 +58,7 @@ class SlurmHost(LocalHost):
     def __init__(self, gpu_reader: gpu.GpuReader, nnodes: int, job_id: str) -> None:
         super().__init__(gpu_reader)
         self.nnodes, self.job_id = nnodes, job_id
+        self.cancels: list[StepCancel] = []   # what each terminate() did through Slurm (status, tests)
 
     def launch(self, cmd: Command, log_path: Path, run_id: str, cwd: str) -> SlurmStep:
         try:
@@ -64,6 +72,14 @@ class SlurmHost(LocalHost):
         nodes = alloc.nodes[:self.nnodes]
         env = {**cmd.env, "NNODES": str(self.nnodes), "MASTER_ADDR": alloc.master_addr}
         name = step_name(run_id)
+        try:  # Slurm's cleanup of the last step, verified: a step still ending holds its nodes
+            left = slurm.wait_steps_gone(self.job_id, name, slurm.SLURM_TIMEOUT_S)
+        except slurm.SlurmError as e:
+            raise launcher.LaunchError(f"cannot start the step: {e}") from e
+        if left:
+            raise launcher.LaunchError(f"step(s) {', '.join(left)} of job {self.job_id} are still listed by "
+                                       f"`squeue -s` after {slurm.SLURM_TIMEOUT_S} s: Slurm has not cleaned up the "
+                                       "last attempt; check the nodes (scontrol show node) and slurmd's log")
         argv = slurm.srun_argv(alloc, self.nnodes, name, log_path, launcher.resolve(cmd.argv))
         srun = launcher.launch(Command(tuple(argv), env), log_path, run_id, cwd=cwd)
         rank0 = slurm.node_log(log_path, nodes[0])
@@ -73,10 +89,29 @@ class SlurmHost(LocalHost):
     def terminate(self, run_id: str, pgids: set[int], grace_s: float) -> list[int]:
         """The step on every node through Slurm first (TERM, grace, KILL, gone), then what is left here."""
         try:
-            slurm.cancel_steps(self.job_id, step_name(run_id), grace_s)
+            steps = slurm.live_steps(self.job_id, step_name(run_id))
+            killed, left = slurm.cancel_steps(self.job_id, step_name(run_id), grace_s)
+            self.cancels.append(StepCancel(tuple(steps), tuple(killed), tuple(left)))
         except slurm.SlurmError:
             pass  # the controller is unreachable: still stop what runs here
         return super().terminate(run_id, pgids, grace_s)
+
+    def nodes(self) -> tuple[str, ...]:
+        try:
+            return slurm.allocation(self.job_id).nodes[:self.nnodes]
+        except slurm.SlurmError:
+            return ()
+
+    def node_gpu_problems(self, ids: list[int | str], threshold_mib: int) -> dict[str, list[str]]:
+        """Every node's GPUs in one step (`srun ... python -m orchestrator.host.gpu_check`), before each launch."""
+        try:
+            alloc = slurm.allocation(self.job_id)
+        except slurm.SlurmError as e:
+            return {slurm.ALL_NODES: [f"cannot check the nodes' GPUs: {e}"]}
+        return slurm.node_gpu_check(alloc, self.nnodes, ids, threshold_mib)
+
+    def exclude_node(self, node: str) -> str:
+        return slurm.requeue_excluding(self.job_id, node)
 
     def failure_log(self, trainer: SlurmStep) -> tuple[str, str | None]:
         """The failing node's log first (the root cause), srun's lines, then the other nodes' logs

@@ -16,6 +16,7 @@ from pathlib import Path
 from orchestrator.config.recipe import Recipe
 
 PREEMPT_NOTICE_S = 300
+MAX_REQUEUES = 20   # a supervisor that keeps dying of a signal is requeued this often, then the job ends
 
 
 def script(r: Recipe, recipe_path: Path, overrides: tuple[str, ...], python: str = sys.executable) -> str:
@@ -47,6 +48,10 @@ while :; do
 done
 if [ "$preempted" = 1 ] && [ "$rc" = 0 ]; then
   echo "orchestrator: stopped ahead of the time limit; requeueing job $SLURM_JOB_ID" >&2
+  scontrol requeue "$SLURM_JOB_ID"
+elif [ "$rc" -gt 128 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {MAX_REQUEUES} ]; then
+  # the supervisor died of a signal (137: SIGKILL, an OOM kill): the next one resumes from the journal
+  echo "orchestrator: the supervisor died of signal $((rc - 128)); requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"
 fi
 exit "$rc"

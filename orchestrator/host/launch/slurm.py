@@ -7,6 +7,7 @@ gone (a step still ending holds its nodes: the next srun would queue behind it).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -103,7 +104,7 @@ def live_steps(job_id: str, step_name: str) -> list[str]:
             if name.strip() == step_name]
 
 
-def _wait_gone(job_id: str, step_name: str, timeout_s: float, step_s: float = 0.2) -> list[str]:
+def wait_steps_gone(job_id: str, step_name: str, timeout_s: float, step_s: float = 0.2) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         left = live_steps(job_id, step_name)
@@ -117,9 +118,62 @@ def cancel_steps(job_id: str, step_name: str, grace_s: float) -> tuple[list[str]
     controller no longer lists the step. Returns (steps that needed SIGKILL, steps still listed)."""
     steps = live_steps(job_id, step_name)
     for sid in steps:
-        _slurm("scancel", "--signal=TERM", sid)
-    killed = _wait_gone(job_id, step_name, grace_s)
+        for sig in ("TERM", "CONT"):  # a stopped (SIGSTOP) task handles SIGTERM only once continued
+            try:
+                _slurm("scancel", f"--signal={sig}", sid)
+            except SlurmError:  # the step ended meanwhile (TERM was enough): the wait below says so
+                pass
+    killed = wait_steps_gone(job_id, step_name, grace_s)
     for sid in killed:
         _slurm("scancel", "--signal=KILL", sid)
-    left = _wait_gone(job_id, step_name, SLURM_TIMEOUT_S) if killed else []
+    left = wait_steps_gone(job_id, step_name, SLURM_TIMEOUT_S) if killed else []
     return killed, left
+
+
+ALL_NODES = "*"   # key of a problem that is no node's own (the check step itself failed)
+
+
+def gpu_check_results(stdout: str, nodes: tuple[str, ...]) -> dict[str, list[str]]:
+    """Problems per node from the gpu_check step's JSON lines (a node with no line did not answer); {}: all clear."""
+    seen: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and "node" in d:
+            seen[d["node"]] = [] if d.get("clear") else list(d.get("problems") or ["not clear"])
+    bad = {n: p for n, p in seen.items() if p}
+    bad.update({n: ["the GPU check did not answer from this node"] for n in nodes if n not in seen})
+    return bad
+
+
+def node_gpu_check(alloc: Allocation, nnodes: int, ids: list, threshold_mib: int,
+                   timeout_s: float = 120) -> dict[str, list[str]]:
+    """Every node's GPU verdict in one step (one task per node, in parallel); problems per node, {}: all clear.
+    --overlap: the check must never queue behind a step that is still ending."""
+    nodes = alloc.nodes[:nnodes]
+    argv = ["srun", f"--jobid={alloc.job_id}", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
+            "--overlap", "--job-name=orchestrator-gpu-check", f"--nodelist={','.join(nodes)}", "--input=none",
+            sys.executable, "-m", "orchestrator.host.gpu_check", f"--ids={','.join(map(str, ids))}",
+            f"--threshold-mib={threshold_mib}"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {ALL_NODES: [f"the GPU check step did not finish: {e}"]}
+    bad = gpu_check_results(done.stdout, nodes)
+    if done.returncode != 0 and not bad:
+        bad[ALL_NODES] = [f"the GPU check step exited {done.returncode}: {done.stderr.strip()[-300:]}"]
+    return bad
+
+
+def requeue_excluding(job_id: str, node: str) -> str:
+    """Requeue this job without `node`. Slurm changes ExcNodeList of a pending job only ("Job is no longer
+    pending execution"), so: requeue first (the job goes back to pending; Slurm holds a requeued job back
+    before it is eligible again), then add the node to the job's excluded nodes. Returns the new list."""
+    m = re.search(r"\bExcNodeList=(\S+)", _slurm("scontrol", "show", "job", job_id))
+    before = [] if not m or m.group(1) == "(null)" else _slurm("scontrol", "show", "hostnames", m.group(1)).split()
+    excluded = ",".join(sorted({*before, node}))
+    _slurm("scontrol", "requeue", job_id)
+    _slurm("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={excluded}")
+    return excluded
