@@ -134,7 +134,9 @@ def start(root: Path, cpus: int = 2, timeout: float = 30) -> Cluster:
         (root / d).mkdir(parents=True, exist_ok=True)
     conf = root / "slurm.conf"
     conf.write_text(config(root, ctld_port, node_ports, cpus))
-    env = {**os.environ, "SLURM_CONF": str(conf)}
+    # jobs submitted here run supervisors: their node history stays in the cluster's directory, never the machine's
+    # (the cluster outlives the test that started it, so the per-test directory of conftest would not do)
+    env = {**os.environ, "SLURM_CONF": str(conf), "ORCHESTRATOR_NODE_STATE_DIR": str(root / "node-state")}
     for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
         del env[k]  # never attach to an allocation of some outer cluster
     cluster = Cluster(root, env)
