@@ -12,7 +12,7 @@ from pathlib import Path
 
 from orchestrator.config import estimate
 from orchestrator.host import gpu
-from orchestrator.host.launch import local as launcher
+from orchestrator.host.launch import local as launcher, slurm
 from orchestrator.domain import storage
 from orchestrator.host.probe import exists, first_free_port, free_bytes, held_bytes, mount_point
 from orchestrator.config.recipe import Recipe, expert_count, read_model_config
@@ -148,7 +148,25 @@ def check_slurm(r: Recipe, environ=os.environ) -> list[Check]:
     if not environ.get("SLURM_JOB_ID"):
         return [Check("nodes", False, f"parallel.nnodes = {n} needs a Slurm allocation, and SLURM_JOB_ID is not set: "
                                      f"submit with `orchestrator sbatch RECIPE`, or run inside `salloc --nodes={n}`")]
-    return [Check("nodes", True, f"{n} nodes of Slurm job {environ['SLURM_JOB_ID']}")]
+    return [Check("nodes", True, f"{n} nodes of Slurm job {environ['SLURM_JOB_ID']}"), check_shared_output(r, environ)]
+
+
+def check_shared_output(r: Recipe, environ=os.environ) -> Check:
+    """The journal, checkpoints and run lock live in run.output_dir: every node of the step must see it as this
+    one does (checked from every node in one srun step). Not there yet: its nearest existing parent."""
+    where = Path(r.run.output_dir).resolve()
+    while not where.is_dir() and where != where.parent:
+        where = where.parent
+    try:
+        alloc = slurm.allocation(environ.get("SLURM_JOB_ID"))
+    except slurm.SlurmError as e:
+        return Check("output_dir_on_every_node", False, f"cannot list the allocation's nodes: {e}")
+    nodes = alloc.nodes[:r.parallel.nnodes]
+    bad = slurm.node_dir_check(alloc, r.parallel.nnodes, where)
+    if not bad:
+        return Check("output_dir_on_every_node", True, f"{where} seen and writable from {', '.join(nodes)}")
+    return Check("output_dir_on_every_node", False, "; ".join(f"{n}: {p}" for n, p in bad.items())
+                 + f" — run.output_dir ({where}) must be on a filesystem every node mounts at the same path")
 
 
 def check_trainer(r: Recipe) -> Check:

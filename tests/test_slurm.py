@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,10 @@ import pytest
 
 import slurm_cluster
 from orchestrator.host.launch import local as launcher
-from orchestrator.host.launch.slurm import Allocation, NodeFailure, first_failure, node_log, srun_argv
+from orchestrator import preflight
+from orchestrator.host import dir_check
+from orchestrator.host.launch.slurm import (Allocation, NodeFailure, dir_check_results, first_failure, node_log,
+                                              srun_argv)
 from orchestrator.host.node_exec import node_env
 from orchestrator.config.recipe import RecipeError, load
 from orchestrator.supervisor import Supervisor
@@ -238,6 +243,51 @@ def test_node_two_sigstopped_is_a_hang_the_step_is_cancelled_and_the_run_resumes
     assert runs[1].started_at > runs[0].ended_at
     assert max(s for s, _ in losses(tmp_path)) == 40
     assert not cluster.run("squeue", "-h", "-s", "-j", allocation, "-o", "%i %j").stdout.count("orchestrator-")
+
+
+def shared_check(checks: list[dict]) -> dict:
+    return next(c for c in checks if c["name"] == "output_dir_on_every_node")
+
+
+def test_plan_checks_output_dir_from_every_node(cluster, allocation, tmp_path):
+    r = load(DEMO, ["parallel.nnodes=2", f"run.output_dir={json.dumps(str(tmp_path / 'not-yet' / 'out'))}"])
+    c = preflight.check_shared_output(r)
+    nodes = cluster.run("scontrol", "show", "hostnames", cluster.run("squeue", "-h", "-j", allocation, "-o", "%N")
+                        .stdout.strip()).stdout.split()
+    assert c.ok, c.detail
+    assert c.detail == f"{tmp_path} seen and writable from {', '.join(nodes)}" and len(nodes) == 2
+    assert not list(tmp_path.iterdir()), "the markers are gone, nothing created"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+def test_plan_refuses_an_output_dir_the_nodes_do_not_see(cluster, allocation, tmp_path):
+    """The planning process alone has a tmpfs over output_dir's parent (its own mount namespace): the nodes
+    see the directory underneath, so the marker written there is not there for them."""
+    private = tmp_path / "private"
+    private.mkdir()
+    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount -t tmpfs none "$1" && shift && exec "$@"',
+            "sh", str(private), sys.executable, "-m", "orchestrator", "plan", str(DEMO), "--no-probe", "--json",
+            "--set", "parallel.nnodes=2", "--set", f"run.output_dir={json.dumps(str(private / 'out'))}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    c = shared_check(json.loads(done.stdout)["checks"])
+    assert not c["ok"] and c["fatal"]
+    assert len(re.findall(r"\bn\d: \S+ is not there \(No such file or directory\): not the same filesystem", c["detail"])) == 2, \
+        c["detail"]
+    assert "must be on a filesystem every node mounts at the same path" in c["detail"]
+    assert not list(private.iterdir()), "the marker went with the private tmpfs"
+
+
+def test_node_dir_check_reads_every_node_s_answer(tmp_path):
+    token = "ab12"
+    (tmp_path / f"{dir_check.MARKER}{token}").write_text(token)
+    assert dir_check.node_view(tmp_path, token, "n1") == {"node": "n1", "ok": True, "problem": ""}
+    assert "not there" in dir_check.node_view(tmp_path, "other", "n1")["problem"]
+    (tmp_path / f"{dir_check.MARKER}cd34").write_text("x")
+    assert "holds something else" in dir_check.node_view(tmp_path, "cd34", "n1")["problem"]
+    out = "\n".join([json.dumps({"node": "n1", "ok": True, "problem": ""}), "noise",
+                      json.dumps({"node": "n2", "ok": False, "problem": "gone"})])
+    assert dir_check_results(out, ("n1", "n2", "n3")) == {"n2": "gone", "n3": "the check did not answer from this node"}
 
 
 def test_sbatch_dry_run_prints_a_batch_script_and_submits_nothing(tmp_path):

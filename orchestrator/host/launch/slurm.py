@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from orchestrator.host import dir_check
 
 SLURM_TIMEOUT_S = 30   # a Slurm client command that takes longer than this: the controller is in trouble
 # srun's report of a task that ended badly, e.g. "srun: error: n2: task 1: Killed",
@@ -73,9 +76,16 @@ def srun_argv(alloc: Allocation, nnodes: int, step_name: str, log_path: Path, ar
             f"--log={node_log(log_path, '{node}')}", "--", *argv]
 
 
-def _slurm(*argv: str) -> str:
+def _ignore_term() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _slurm(*argv: str, survive_requeue: bool = False) -> str:
+    """`survive_requeue`: the command runs inside the job being requeued, whose processes Slurm sends SIGTERM
+    at once: it ignores it (SIGKILL comes only after KillWait)."""
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, check=False)
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, check=False,
+                              preexec_fn=_ignore_term if survive_requeue else None)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SlurmError(f"{' '.join(argv)}: {e}") from e
     if done.returncode != 0:
@@ -167,6 +177,43 @@ def node_gpu_check(alloc: Allocation, nnodes: int, ids: list, threshold_mib: int
     return bad
 
 
+def node_dir_check(alloc: Allocation, nnodes: int, path: Path, timeout_s: float = 60) -> dict[str, str]:
+    """Whether every node sees `path` as this node does, in one step: a marker with a fresh token written here,
+    read back on each node, which also creates and removes a file there (host/dir_check.py). Problem per
+    node ({}: every node sees it); a node with no answer is a problem too."""
+    nodes = alloc.nodes[:nnodes]
+    token = os.urandom(8).hex()
+    marker = path / f"{dir_check.MARKER}{token}"
+    try:
+        marker.write_text(token)
+    except OSError as e:
+        return {ALL_NODES: f"cannot write the marker {marker}: {e.strerror}"}
+    argv = ["srun", f"--jobid={alloc.job_id}", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
+            "--overlap", "--job-name=orchestrator-dir-check", f"--nodelist={','.join(nodes)}", "--input=none",
+            sys.executable, "-m", "orchestrator.host.dir_check", str(path), token]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {ALL_NODES: f"the check step did not finish: {e}"}
+    finally:
+        marker.unlink(missing_ok=True)
+    return dir_check_results(done.stdout, nodes)
+
+
+def dir_check_results(stdout: str, nodes: tuple[str, ...]) -> dict[str, str]:
+    seen: dict[str, str] = {}
+    for line in stdout.splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and "node" in d:
+            seen[d["node"]] = "" if d.get("ok") else str(d.get("problem") or "not visible")
+    bad = {n: p for n, p in seen.items() if p}
+    bad.update({n: "the check did not answer from this node" for n in nodes if n not in seen})
+    return bad
+
+
 def requeue_excluding(job_id: str, node: str) -> str:
     """Requeue this job without `node`. Slurm changes ExcNodeList of a pending job only ("Job is no longer
     pending execution"), so: requeue first (the job goes back to pending; Slurm holds a requeued job back
@@ -175,5 +222,13 @@ def requeue_excluding(job_id: str, node: str) -> str:
     before = [] if not m or m.group(1) == "(null)" else _slurm("scontrol", "show", "hostnames", m.group(1)).split()
     excluded = ",".join(sorted({*before, node}))
     _slurm("scontrol", "requeue", job_id)
-    _slurm("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={excluded}")
+    for _ in range(20):  # the requeue returns before the job is pending again
+        try:
+            _slurm("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={excluded}", survive_requeue=True)
+            return excluded
+        except SlurmError as e:
+            if "pending" not in str(e):
+                raise
+            time.sleep(0.25)
+    _slurm("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={excluded}", survive_requeue=True)
     return excluded
