@@ -159,14 +159,13 @@ def test_threads_copy_large_files_hash_them_once_and_clear_a_killed_attempt(tmp_
 def test_a_failing_thread_fails_the_copy_with_its_own_error(tmp_path, monkeypatch, threads_copy):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10, big=3 << 20)
-    real_write = os.write
+    real_pwrite = os.pwrite
 
-    def full_disk(fd, data):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(copytree.PARTIAL_SUFFIX) and \
-                os.lseek(fd, 0, os.SEEK_CUR) >= 1 << 20:  # a full disk part-way through a large file
+    def full_disk(fd, data, offset):
+        if offset >= 1 << 20:  # a full disk part-way through a large file
             raise OSError(28, "No space left on device")
-        return real_write(fd, data)
-    monkeypatch.setattr(copytree.os, "write", full_disk)
+        return real_pwrite(fd, data, offset)
+    monkeypatch.setattr(copytree.os, "pwrite", full_disk)
     r = sync.sync_once(out, pers, "swift", "h")
     assert not r.ok and "No space left on device" in r.problems[0], r.problems
     assert not (pers / "checkpoint-10").exists()

@@ -33,10 +33,11 @@ from orchestrator.store.tailhash import TailHasher
 
 PARALLEL_MIN_BYTES = 64 << 20   # files this large are copied by the threads, not rsync
 COPY_WORKERS = 4                # threads for them: hashing is CPU-bound, so a few beyond the cores keep the disk busy
-BUFFER = 8 << 20                # one read, hash and write of a large file; DEPTH of them in flight per file
-DEPTH = 3
+BUFFER = 16 << 20               # one read, hash and write of a large file; DEPTH of them in flight per file
+                                # (4 files x 4 x 16 MiB: 256 MiB of buffers while a checkpoint is copied)
+DEPTH = 4
+WRITERS = 2                     # per file: O_DIRECT writes are synchronous, so two keep the device busy
 ALIGN = 4096                    # O_DIRECT: buffer address, file offset and length in whole blocks
-FLUSH_EVERY = 256 << 20         # fdatasync behind buffered writes, so little is left to write back at the end
 PARTIAL_SUFFIX = ".orch-partial"  # `.<name>.orch-partial`: not rsync's `.<name>.XXXXXX`, so tailhash ignores it
 
 
@@ -210,68 +211,87 @@ def _buffered(fout: int) -> None:
 
 
 def _pipe_copy(fin: int, fout: int, direct: bool, cancel: _Either) -> tuple[int, str]:
-    """Copy fin to fout: a reader thread reads BUFFER-sized blocks and hashes each one, while this thread
-    writes the blocks already hashed (DEPTH in flight; hashlib and os.write release the GIL, so hashing
-    overlaps the writes). The digest is that of the very buffers handed to write(), as reading the copy
-    back from the page cache would give. With O_DIRECT the blocks go from those buffers to the device:
-    no second copy into the page cache and no writeback of it later (on 2 cores that copy and its
-    writeback took as much CPU as sha256); the unaligned tail is written buffered."""
+    """Copy fin to fout: a reader thread reads BUFFER-sized blocks and hashes each one in order, and
+    WRITERS threads write the blocks already hashed at their offsets (DEPTH blocks in flight; hashlib,
+    os.readv and os.pwrite release the GIL, so hashing overlaps the writes). The digest is that of the
+    very buffers handed to the writes, as reading the copy back from the page cache would give. With
+    O_DIRECT the blocks go from those buffers to the device: no second copy into the page cache and no
+    writeback of it later (on 2 cores that copy and its writeback cost more CPU than sha256); several
+    writers keep more than one block in flight at the device. The unaligned tail is written buffered."""
     free: queue.Queue = queue.Queue()
     full: queue.Queue = queue.Queue()
     for _ in range(DEPTH):
         free.put(mmap.mmap(-1, BUFFER))  # page-aligned, as O_DIRECT requires
-    h, stop = hashlib.sha256(), threading.Event()
+    h, stop, errors = hashlib.sha256(), threading.Event(), []
+    state = {"direct": direct, "end": 0}
+    mode = threading.Lock()
+
+    def fail(e: BaseException) -> None:
+        errors.append(e)
+        stop.set()
+        free.put(None)  # wake the reader if it waits for a buffer
 
     def read() -> None:
+        pos = 0
         try:
             while not stop.is_set():
                 buf = free.get()
-                if buf is None:
+                if buf is None or stop.is_set():
                     return
                 view, n = memoryview(buf), 0
                 while n < BUFFER and (k := os.readv(fin, [view[n:]])):  # whole blocks: aligned offsets
                     n += k
                 h.update(view[:n])
-                full.put((buf, n))
+                if n:
+                    full.put((buf, n, pos))
+                pos += n
                 if n < BUFFER:
+                    state["end"] = pos
                     return  # end of file
-        except BaseException as e:  # handed to the writer, which raises it
-            full.put((e, 0))
+        except BaseException as e:
+            fail(e)
+        finally:
+            for _ in range(WRITERS):
+                full.put(None)
 
-    reader = threading.Thread(target=read, name="copy-read", daemon=True)
-    reader.start()
-    pos, flushed = 0, 0
-    try:
-        while True:
-            buf, n = full.get()
-            if isinstance(buf, BaseException):
-                raise buf
-            if cancel.is_set():
-                raise OSError("cancelled")
-            view, off = memoryview(buf), 0
-            while off < n:
-                if direct and (n - off) % ALIGN:
-                    _buffered(fout)  # the file's last bytes: not a whole block
-                    direct = False
-                try:
-                    off += os.write(fout, view[off:n])
-                except OSError as e:
-                    if not (direct and e.errno == errno.EINVAL):
-                        raise
-                    _buffered(fout)  # a device block larger than ALIGN, or a filesystem that takes the
-                    direct = False   # flag at open only: buffered from here on
-            pos += n
-            if not direct and pos - flushed >= FLUSH_EVERY:
-                os.fdatasync(fout)  # buffered: flush behind the writes, so little is left for the end
-                flushed = pos
-            if n < BUFFER:
-                break
-            free.put(buf)
-    finally:
-        stop.set()
-        free.put(None)
-        reader.join()
-    return pos, h.hexdigest()
+    def unset_direct() -> None:
+        with mode:
+            if state["direct"]:
+                _buffered(fout)
+                state["direct"] = False
+
+    def write() -> None:
+        try:
+            while (item := full.get()) is not None:
+                if stop.is_set():
+                    continue  # drain: the copy has failed
+                if cancel.is_set():
+                    raise OSError("cancelled")
+                buf, n, pos = item
+                view, off = memoryview(buf), 0
+                while off < n:
+                    if state["direct"] and (n - off) % ALIGN:
+                        unset_direct()  # the file's last bytes: not a whole block
+                    try:
+                        off += os.pwrite(fout, view[off:n], pos + off)
+                    except OSError as e:
+                        if not (state["direct"] and e.errno == errno.EINVAL):
+                            raise
+                        unset_direct()  # a device block larger than ALIGN, or a filesystem that takes the
+                                        # flag at open only: buffered from here on
+                free.put(buf)
+        except BaseException as e:
+            fail(e)
+
+    threads = [threading.Thread(target=read, name="copy-read", daemon=True)] + \
+        [threading.Thread(target=write, name="copy-write", daemon=True) for _ in range(WRITERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if "cancelled" not in str(e)), errors[0])
+    return state["end"], h.hexdigest()
 
 
 def _try_link(a: Path, b: Path) -> bool:
