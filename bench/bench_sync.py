@@ -1,18 +1,21 @@
 """Benchmark: publishing a checkpoint with sync_once vs the best of `rsync -a` and a parallel copy of the
 same tree, and re-syncing an unchanged tree.
 
-    python bench/bench_sync.py [--size-mib 5632] [--files 1000] [--dir DIR] [--json]
+    python bench/bench_sync.py [--size-mib 5632] [--files 1000] [--rounds 3] [--dir DIR] [--ref REV] [--cold] [--json]
 
 The checkpoint looks like a real one: `--size-mib` in large shards (2, 1.5, 1, 1, ... GiB, as a model's
 safetensors or mcore's per-rank .distcp files), plus `--files` small files and an adapter. The baselines:
 `rsync -a` of the tree, and a parallel copy (one `cp -a` per large file, at most COPY_WORKERS at once, beside
 one `rsync -a` of everything else); each also with `sync -f` after it, for what durability costs them.
 sync_once does more than either: it fsyncs every file and checks the copy's sha256 against the manifest
-(the hash is taken while the bytes are copied: copytree's threads for large files, tailhash behind rsync for
-the rest). The target: sync_once >= 0.9x the best baseline without fsync. Every run starts with the source in
-the page cache and nothing dirty (os.sync); rounds rotate the order and keep each method's best. On a
-machine where sha256 over all cores is slower than the copy (2 cores here), no publish that hashes every
-byte can reach the target; the last ratio row, publish vs hashing alone, shows how close it comes.
+(the hash is taken while the bytes are copied: copytree's pipelines for large files, tailhash behind rsync
+for the rest). The target: sync_once >= 0.9x the best baseline without fsync. Every run starts with nothing
+dirty (os.sync) and, by default, the source in the page cache; `--cold` drops the page cache before every
+run (root; a row says why when it cannot), as at 397B scale where a checkpoint of hundreds of GiB is not
+all cached. Rounds rotate the order; reported: medians, and the load average during the runs. `--ref REV`
+also publishes with copytree.py of git revision REV, interleaved in the same rounds (before/after in one
+run). On a machine where sha256 over all cores is slower than the copy (2 cores here), no publish that
+hashes every byte can reach the target warm; the row "publish vs hashing alone" shows how close it comes.
 `run()` returns rows {name, measured, unit, target, pass}.
 """
 from __future__ import annotations
