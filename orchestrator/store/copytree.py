@@ -160,7 +160,8 @@ def _copy_large(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: P
 def _copy_one(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: Path | None,
               cancel: _Either) -> tuple[int, tuple[tuple[int, int, int, int], str] | None]:
     """One file: skipped when in place, hard-linked from link_dest when unchanged there, else copied to a
-    temp name, hashed and flushed behind the copy, fsynced and renamed. Returns (bytes copied,
+    temp name (hashed block by block as it is read, each hashed block then written: _pipe_copy), fsynced
+    and renamed. Returns (bytes copied,
     (stamp, sha256 of the copy) or None)."""
     target = dst / rel
     tmp = _temp_of(target)
