@@ -117,7 +117,7 @@ def test_a_failed_copy_does_not_wait_for_hashing(tmp_path):
 def threads_copy(monkeypatch):
     """Files of 1 MiB and more go to copytree's threads (real checkpoints: shards of 64 MiB and more)."""
     monkeypatch.setattr(copytree, "PARALLEL_MIN_BYTES", 1 << 20)
-    monkeypatch.setattr(copytree, "CHUNK", 256 << 10)
+    monkeypatch.setattr(copytree, "BUFFER", 256 << 10)
 
 
 def test_threads_copy_large_files_hash_them_once_and_clear_a_killed_attempt(tmp_path, monkeypatch, threads_copy):
@@ -159,13 +159,13 @@ def test_threads_copy_large_files_hash_them_once_and_clear_a_killed_attempt(tmp_
 def test_a_failing_thread_fails_the_copy_with_its_own_error(tmp_path, monkeypatch, threads_copy):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10, big=3 << 20)
-    real_sendfile = os.sendfile
+    real_pwrite = os.pwrite
 
-    def full_disk(out_fd, in_fd, offset, count):
+    def full_disk(fd, data, offset):
         if offset >= 1 << 20:  # a full disk part-way through a large file
             raise OSError(28, "No space left on device")
-        return real_sendfile(out_fd, in_fd, offset, count)
-    monkeypatch.setattr(copytree.os, "sendfile", full_disk)
+        return real_pwrite(fd, data, offset)
+    monkeypatch.setattr(copytree.os, "pwrite", full_disk)
     r = sync.sync_once(out, pers, "swift", "h")
     assert not r.ok and "No space left on device" in r.problems[0], r.problems
     assert not (pers / "checkpoint-10").exists()

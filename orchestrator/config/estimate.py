@@ -107,7 +107,7 @@ KNOWN_CONFIGS: dict[str, dict] = {
                           "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
                           "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 64,
                           "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-                          "tie_word_embeddings": False, "total_params": 397e9,
+                          "tie_word_embeddings": False, "total_params": 397e9, "mtp_num_hidden_layers": 1,
                           "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
                                             "out_hidden_size": 4096, "patch_size": 16, "temporal_patch_size": 2,
                                             "spatial_merge_size": 2, "in_channels": 3,

@@ -3,7 +3,8 @@ to temp names and renamed, never modifying hard-linked files; flushed to disk, w
 taken while it was written (tailhash).
 
 Large files (the shards that are nearly all of a checkpoint's bytes) are copied beside rsync by a few
-threads, each reading, hashing and writing one file: one rsync moves one file at a time through two
+threads, each reading and hashing one file in a pipeline with its writer (O_DIRECT where the filesystem
+takes it: _pipe_copy): one rsync moves one file at a time through two
 processes and a pipe, and the hash of its output is taken by one more thread behind it, so a multi-GiB
 checkpoint was copied, hashed and flushed one stream at a time. The threads keep rsync's rules (temp name
 + rename, files already in place or linkable from the previous copy are not rewritten, mtime and mode
@@ -11,9 +12,13 @@ kept) and rsync protects their files from its --delete.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import fnmatch
 import hashlib
+import mmap
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -28,8 +33,11 @@ from orchestrator.store.tailhash import TailHasher
 
 PARALLEL_MIN_BYTES = 64 << 20   # files this large are copied by the threads, not rsync
 COPY_WORKERS = 4                # threads for them: hashing is CPU-bound, so a few beyond the cores keep the disk busy
-CHUNK = 1 << 20
-FLUSH_EVERY = 256 << 20         # fdatasync behind the writes, so little is left to write back at the end
+BUFFER = 16 << 20               # one read, hash and write of a large file; DEPTH of them in flight per file
+                                # (4 files x 4 x 16 MiB: 256 MiB of buffers while a checkpoint is copied)
+DEPTH = 4
+WRITERS = 2                     # per file: O_DIRECT writes are synchronous, so two keep the device busy
+ALIGN = 4096                    # O_DIRECT: buffer address, file offset and length in whole blocks
 PARTIAL_SUFFIX = ".orch-partial"  # `.<name>.orch-partial`: not rsync's `.<name>.XXXXXX`, so tailhash ignores it
 
 
@@ -152,7 +160,8 @@ def _copy_large(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: P
 def _copy_one(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: Path | None,
               cancel: _Either) -> tuple[int, tuple[tuple[int, int, int, int], str] | None]:
     """One file: skipped when in place, hard-linked from link_dest when unchanged there, else copied to a
-    temp name, hashed and flushed behind the copy, fsynced and renamed. Returns (bytes copied,
+    temp name (hashed block by block as it is read, each hashed block then written: _pipe_copy), fsynced
+    and renamed. Returns (bytes copied,
     (stamp, sha256 of the copy) or None)."""
     target = dst / rel
     tmp = _temp_of(target)
@@ -165,9 +174,10 @@ def _copy_one(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: Pat
         return 0, None
     fin = os.open(src / rel, os.O_RDONLY)
     try:
-        fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.posix_fadvise(fin, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
+        fout, direct = _open_target(tmp)
         try:
-            done, digest = _send_and_hash(fin, fout, tmp, st.st_size, cancel)
+            done, digest = _pipe_copy(fin, fout, direct, cancel)
             if done != st.st_size:
                 raise OSError(f"{src / rel}: {done} bytes copied, {st.st_size} expected (changed during the copy)")
             os.chmod(fout, st.st_mode & 0o7777)
@@ -184,53 +194,105 @@ def _copy_one(src: Path, dst: Path, rel: str, st: os.stat_result, link_dest: Pat
     return done, ((got.st_dev, got.st_ino, got.st_size, got.st_mtime_ns), digest)
 
 
-def _send_and_hash(fin: int, fout: int, tmp: Path, size: int, cancel: _Either) -> tuple[int, str]:
-    """Copy fin to fout in the kernel (sendfile: no user-space copy, through the page cache) in a helper
-    thread, while this one reads back what it has written, hashes it and flushes it behind."""
-    cond, state = threading.Condition(), {"written": 0, "end": False, "error": None}
-
-    def send() -> None:
+def _open_target(tmp: Path) -> tuple[int, bool]:
+    """The temp file, opened for O_DIRECT writes where the filesystem takes them (tmpfs and some FUSE
+    mounts refuse: buffered then). Returns (fd, direct)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if hasattr(os, "O_DIRECT"):
         try:
-            while not cancel.is_set() and (n := os.sendfile(fout, fin, state["written"], CHUNK)):
-                with cond:
-                    state["written"] += n
-                    cond.notify()
-        except BaseException as e:  # handed to the hashing thread, which raises it
-            state["error"] = e
-        finally:
-            with cond:
-                state["end"] = True
-                cond.notify()
+            return os.open(tmp, flags | os.O_DIRECT, 0o600), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(tmp, flags, 0o600), False
 
-    sender = threading.Thread(target=send, name="copy-send", daemon=True)
-    sender.start()
-    h, buf, pos, flushed = hashlib.sha256(), memoryview(bytearray(CHUNK)), 0, 0
-    back = os.open(tmp, os.O_RDONLY)
-    try:
-        while True:
-            with cond:
-                while state["written"] == pos and not state["end"]:
-                    cond.wait()
-                written, end = state["written"], state["end"]
-            if cancel.is_set():
-                raise OSError("cancelled")
-            while pos < written:  # the copy's bytes, read back from the page cache
-                n = os.preadv(back, [buf[:min(CHUNK, written - pos)]], pos)
-                if n == 0:
-                    raise OSError(f"{tmp}: shorter than the {written} bytes written to it")
-                h.update(buf[:n])
+
+def _buffered(fout: int) -> None:
+    fcntl.fcntl(fout, fcntl.F_SETFL, fcntl.fcntl(fout, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+
+def _pipe_copy(fin: int, fout: int, direct: bool, cancel: _Either) -> tuple[int, str]:
+    """Copy fin to fout: a reader thread reads BUFFER-sized blocks and hashes each one in order, and
+    WRITERS threads write the blocks already hashed at their offsets (DEPTH blocks in flight; hashlib,
+    os.readv and os.pwrite release the GIL, so hashing overlaps the writes). The digest is that of the
+    very buffers handed to the writes, as reading the copy back from the page cache would give. With
+    O_DIRECT the blocks go from those buffers to the device: no second copy into the page cache and no
+    writeback of it later (on 2 cores that copy and its writeback cost more CPU than sha256); several
+    writers keep more than one block in flight at the device. The unaligned tail is written buffered."""
+    free: queue.Queue = queue.Queue()
+    full: queue.Queue = queue.Queue()
+    for _ in range(DEPTH):
+        free.put(mmap.mmap(-1, BUFFER))  # page-aligned, as O_DIRECT requires
+    h, stop, errors = hashlib.sha256(), threading.Event(), []
+    state = {"direct": direct, "end": 0}
+    mode = threading.Lock()
+
+    def fail(e: BaseException) -> None:
+        errors.append(e)
+        stop.set()
+        free.put(None)  # wake the reader if it waits for a buffer
+
+    def read() -> None:
+        pos = 0
+        try:
+            while not stop.is_set():
+                buf = free.get()
+                if buf is None or stop.is_set():
+                    return
+                view, n = memoryview(buf), 0
+                while n < BUFFER and (k := os.readv(fin, [view[n:]])):  # whole blocks: aligned offsets
+                    n += k
+                h.update(view[:n])
+                if n:
+                    full.put((buf, n, pos))
                 pos += n
-            if pos - flushed >= FLUSH_EVERY:
-                os.fdatasync(fout)
-                flushed = pos
-            if end and pos == state["written"]:
-                break
-    finally:
-        os.close(back)
-        sender.join()
-    if state["error"] is not None:
-        raise state["error"]
-    return pos, h.hexdigest()
+                if n < BUFFER:
+                    state["end"] = pos
+                    return  # end of file
+        except BaseException as e:
+            fail(e)
+        finally:
+            for _ in range(WRITERS):
+                full.put(None)
+
+    def unset_direct() -> None:
+        with mode:
+            if state["direct"]:
+                _buffered(fout)
+                state["direct"] = False
+
+    def write() -> None:
+        try:
+            while (item := full.get()) is not None:
+                if stop.is_set():
+                    continue  # drain: the copy has failed
+                if cancel.is_set():
+                    raise OSError("cancelled")
+                buf, n, pos = item
+                view, off = memoryview(buf), 0
+                while off < n:
+                    if state["direct"] and (n - off) % ALIGN:
+                        unset_direct()  # the file's last bytes: not a whole block
+                    try:
+                        off += os.pwrite(fout, view[off:n], pos + off)
+                    except OSError as e:
+                        if not (state["direct"] and e.errno == errno.EINVAL):
+                            raise
+                        unset_direct()  # a device block larger than ALIGN, or a filesystem that takes the
+                                        # flag at open only: buffered from here on
+                free.put(buf)
+        except BaseException as e:
+            fail(e)
+
+    threads = [threading.Thread(target=read, name="copy-read", daemon=True)] + \
+        [threading.Thread(target=write, name="copy-write", daemon=True) for _ in range(WRITERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if "cancelled" not in str(e)), errors[0])
+    return state["end"], h.hexdigest()
 
 
 def _try_link(a: Path, b: Path) -> bool:
