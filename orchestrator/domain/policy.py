@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.config.recipe import SupervisorSection
+from orchestrator.config.schema import SupervisorSection
 from orchestrator.types import Action, Alert, Attempt, Crash, CrashClass, Decision
 
 HOUR = 3600.0

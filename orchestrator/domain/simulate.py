@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 
 from orchestrator.domain.interval import Evidence, choose
 from orchestrator.domain.policy import History, decide, next_history
-from orchestrator.config.recipe import SupervisorSection
+from orchestrator.config.schema import SupervisorSection
 from orchestrator.types import Action, Crash, CrashClass, Phase
 
 HOUR = 3600.0

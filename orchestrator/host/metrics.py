@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from orchestrator.domain.goodput import LOST_CAUSES
-from orchestrator.config.recipe import SupervisorSection
+from orchestrator.config.schema import SupervisorSection
 from orchestrator.types import Alert, CrashClass, GpuSnapshot, Progress, State
 
 # The alerts whose state only the supervisor knows: it raises and clears them through alert(), as
