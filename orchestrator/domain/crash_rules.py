@@ -17,7 +17,7 @@ class Rule:
     cls: CrashClass
     patterns: tuple[str, ...]            # any-of, searched per cleaned line, most decisive first
     keywords: tuple[str, ...] = ()       # lowercase; only lines holding one are searched (speed)
-    requires: tuple[str, ...] = ()       # named line conditions (see _CONDITIONS), all must hold
+    requires: tuple[str, ...] = ()       # named line conditions (see classify._CONDITIONS), all must hold
     exclude: tuple[str, ...] = ()        # a line matching one of these does not count
     exit_signal: int | None = None       # also fires, without a line, when the process died of it
     priority: int = 0
