@@ -1,6 +1,6 @@
 """The supervisor: one loop, one state machine. Each handler does one state's work and returns the
 next state; decisions come from pure functions (classify, policy). The machine (processes, GPUs,
-ports, disk, the clock) is reached only through `self.host` (host.py), so every transition is
+ports, disk, the clock) is reached only through `self.host` (host/base.py), so every transition is
 table-tested with an in-memory host (tests/test_state_machine.py); the run's own records go through
 journal, checkpoints, sync, metrics and notify. The loop's state is the running attempt
 (`self.attempt`: launch, watch, resume point, port, its crash and decision); the policy history is
@@ -23,40 +23,41 @@ rebuilt from the journal on start, so a restarted supervisor remembers crashes a
                  for free space                                               -> VERIFYING
     STOPPING     SIGTERM the training, grace, final sync                     -> STOPPED
     COMPLETED, STOPPED -> exit 0;  GAVE_UP -> exit 3
+
+PREFLIGHT and the shutdown are in lifecycle.py, the states between attempts (VERIFYING, CRASHED, CLEANING,
+WAITING/BACKOFF) in recovery.py, the final export's in export_phase.py: the same object, split by concern.
 """
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 
-from orchestrator import preflight
-from orchestrator.domain import classify, policy, storage, verdict
-from orchestrator.host import gpu, pagecache
+from orchestrator.domain import classify, policy, verdict
+from orchestrator.host import gpu
 from orchestrator.host.base import Host
 from orchestrator.host.gpu_gate import GpuGate
 from orchestrator.host.probe import first_free_port
-from orchestrator.host.journal import Journal, journal_path
+from orchestrator.host.journal import Journal
 from orchestrator.host.launch.local import LaunchError
 from orchestrator.host.metrics import Metrics
 from orchestrator.host.notify import Heartbeat, Notifier
 from orchestrator.store.published import PublishLock
-from orchestrator.config.recipe import Recipe, RecipeError, recipe_hash, semantic_view
+from orchestrator.config.recipe import Recipe, RecipeError, recipe_hash
 from orchestrator.config.render.command import render_command
 from orchestrator.config.render.export import render_export
 from orchestrator.domain.goodput import goodput_of
 from orchestrator.store.tracker import CheckpointTracker
-from orchestrator.store.rundir import RunLock, place, run_id, state_dir
+from orchestrator.store.rundir import RunLock
 from orchestrator.store.publisher import Publisher
 from orchestrator.host.slurm_host import host_for
 from orchestrator.host.spot import from_recipe as spot_notice
-from orchestrator.types import (TERMINAL_STATES, Action, Alert, Attempt, Crash, CrashClass, ExitCode,
-                                Phase, Resume, State)
-from orchestrator.save_interval import SaveIntervals
+from orchestrator.types import TERMINAL_STATES, Attempt, Crash, CrashClass, ExitCode, Phase, Resume, State
 from orchestrator.watch import AttemptWatch
+from orchestrator.recovery import Recovery
+from orchestrator.lifecycle import RunLifecycle
+from orchestrator.export_phase import ExportPhase
 
 GIB = 1024**3
 CHECKPOINT_SCAN_S = 2.0
@@ -66,7 +67,7 @@ WAIT_SLICE_S = 1.0
 RESTORE_REPORT_S = 30.0   # a deliberate wait reports (watchdog, spot notice, sync) at least this often
 
 
-class Supervisor:
+class Supervisor(RunLifecycle, Recovery, ExportPhase):
     def __init__(self, recipe: Recipe, *, host: Host | None = None, gpu_reader: gpu.GpuReader | None = None,
                  install_signals: bool = True, echo=None):
         """`host`: the machine (default: this one, GPUs through `gpu_reader` or NVML per the recipe);
@@ -153,97 +154,6 @@ class Supervisor:
             self.request_stop(f"spot interruption: {reason}")
 
     # --- states -------------------------------------------------------------------------------
-    def _preflight(self) -> State:
-        r = self.recipe
-        placement = place(r.run.output_dir, self.hash, semantic_view(r), r.run.on_drift)
-        if placement.output_dir != Path(r.run.output_dir):
-            r = self.recipe = r.model_copy(update={"run": r.run.model_copy(update={"output_dir": str(placement.output_dir)})})
-        self.out = Path(r.run.output_dir)
-        self.state_dir = state_dir(self.out)
-        self.run_id = run_id(self.out)
-        lock = RunLock(self.out)
-        lock.acquire()  # raises when another supervisor runs this directory
-        self.lock = lock
-        self.journal = Journal(journal_path(self.state_dir), echo=self.echo, clock=self.host.now)
-        self.publish_lock = PublishLock(r.run.persistent_dir, r.run.name, self.hash, self.out)
-        self.publish_lock.acquire()  # raises when another supervisor publishes into this run's directory
-        if placement.note:
-            self.journal.event("drift", placement.note, keys=list(placement.drifted_keys))
-        failed = preflight.stoppers(preflight.checks(r, self.host.gpu_snapshot()))
-        if failed:
-            raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
-        self._stop_predecessor()
-        # the sidecar starts below, after any quarantine, so it never publishes a poisoned checkpoint
-        self.checkpoints = CheckpointTracker(r, self.hash, self.out, self.journal, self.metrics,
-                                          on_saved=lambda: self.sidecar.trigger())
-        self.sidecar = Publisher(r, self.hash, self.journal, self.metrics)
-        previous = self.journal.get_all()
-        pending = previous.get("nan_pending")
-        if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
-            self._quarantine(pending["step"], pending["attempt"])
-        earlier = self.journal.attempts()
-        self.attempts_before = earlier[-1].n if earlier else 0  # attempt numbers continue the journal's
-        self.history = policy.rebuild_history(earlier, {c["step"] for c in self.journal.checkpoints() if c["ok"]})
-        budget, _ = preflight.storage_budget(r)
-        self.keep_local, self.save_gib = budget.keep_local, sum(budget.per_save_bytes.values()) / GIB
-        self.intervals = SaveIntervals(r, self.journal, self.metrics, self.run_id, self.save_gib * GIB,
-                                       (budget.step_time_s, budget.step_time_source),
-                                       storage.background_bytes(r, budget.per_save_bytes))
-        self.metrics.set_info(r.run.name, self.hash, r.run.backend, Path(r.model.path).name)
-        if r.metrics.enabled:
-            try:
-                self.metrics_port = self.metrics.serve(r.metrics.listen)
-                self.journal.put(metrics_port=self.metrics_port)
-            except OSError as e:  # a taken metrics port must not cost the run; the down alert will show it
-                self.journal.event("metrics", f"cannot listen on {r.metrics.listen}: {e}")
-        self.journal.put(recipe_hash=self.hash, semantic_view=semantic_view(r), run=r.run.name,
-                         backend=r.run.backend, output_dir=str(self.out), supervisor_pid=os.getpid())
-        self.sidecar.start()
-        self.notifier.ready(f"preflight ok, recipe {self.hash[:12]}")
-        if previous.get("state") == State.COMPLETED.value and previous.get("recipe_hash") == self.hash:
-            self.journal.event("complete", "this run already completed: nothing to launch (final sync only)")
-            return State.COMPLETED
-        return State.VERIFYING
-
-    def _stop_predecessor(self) -> None:
-        """A supervisor killed with -9 leaves its trainer running: never two trainings on the GPUs."""
-        last = self.journal.last_attempt()
-        pgids = {last.pid} if last and last.ended_at is None and last.pid and \
-            self.host.alive(last.pid, last.pid_start_time) else set()
-        leftovers = self.host.leftovers(self.run_id)
-        if pgids or leftovers:
-            self.journal.event("predecessor", f"stopping {len(leftovers)} process(es) left by an earlier supervisor",
-                               pids=leftovers)
-            self.host.terminate(self.run_id, pgids, self.recipe.supervisor.grace_s)
-        if last and last.ended_at is None:
-            self.journal.record_attempt(replace(last, ended_at=self.host.now(), cls=last.cls,
-                                                 evidence=("supervisor restarted while this attempt ran",)))
-
-    def _verify_gpus(self) -> State:
-        if self.stop_event.is_set():
-            return State.STOPPED
-        if self.gpus.exclude_stuck_node(self.journal):  # multi-node: the job was requeued without a bad node
-            self.request_stop("a bad node was excluded and the Slurm job requeued")
-            return State.STOPPED
-        if not self.recipe.gpu.check:
-            return self._launch_state()
-        started = self.host.now()
-        snap = self.host.gpu_snapshot()
-        clear, problems = self.gpus.verdict(snap)
-        if not clear:
-            self.gpus.clear(snap, problems, self.run_id, self.journal)
-            self._sleep(self.recipe.supervisor.force_wait_s)
-            clear, problems = self.gpus.verdict(self.host.gpu_snapshot())
-        self.journal.span(started, self.host.now(), "verify")
-        if clear:
-            self.gpu_backoff_s = 0.0
-            return self._launch_state()
-        s = self.recipe.supervisor
-        self.gpu_backoff_s = min(s.backoff_max_s, max(self.gpu_backoff_s * 2, s.force_wait_s, 1.0))
-        self.journal.event("gpus_not_clear", "; ".join(problems), retry_in_s=self.gpu_backoff_s)
-        self._sleep(self.gpu_backoff_s)
-        return State.VERIFYING
-
     def _launch(self) -> State:
         r, before = self.recipe, self.attempt
         resume = self.checkpoints.resume_point()
@@ -357,41 +267,6 @@ class Supervisor:
             return self._crashed(Crash(CrashClass.NCCL_TIMEOUT_HANG, (hang,), self._phase()))
         return State.RUNNING
 
-    def _training_finished(self, a: AttemptWatch) -> State:
-        """checkpoint.merge = "final": training is over; the export of its last checkpoint comes next (in
-        the journal first, so a supervisor restarted from here goes straight to the export)."""
-        self._finish_attempt(Crash(CrashClass.OTHER), stopped=True)
-        self.training_done = {"step": a.last.step if a.last else None, "recipe_hash": self.hash}
-        self.journal.put(training_done=self.training_done)
-        self.journal.event("training_done", f"training finished at step {self.training_done['step']}: exporting "
-                           "the merged model of the newest verified checkpoint (checkpoint.merge = \"final\")")
-        return State.VERIFYING  # the trainer's GPUs must be clear before the export loads the model again
-
-    def _export_finished(self, a: AttemptWatch) -> State:
-        """The export exited: 0 with a merged copy that verifies -> renamed into place, COMPLETED; anything
-        else is a crash like a trainer's (classified, policy decides, the relaunch exports again)."""
-        if a.launched.status.code != 0:
-            return self._crashed(None)
-        final, problems = self.checkpoints.place_merged(a.resume.path)
-        if problems:
-            return self._crashed(Crash(CrashClass.OTHER, ("the export exited 0 but its output failed "
-                                                          "verification; not published",) + problems, Phase.UNKNOWN))
-        self._finish_attempt(Crash(CrashClass.OTHER), stopped=True)
-        self.journal.event("merged", f"verified {final.name} ({a.resume.path} merged): published by the sync")
-        self.sidecar.trigger()
-        return State.COMPLETED
-
-    def _export_phase(self) -> bool:
-        """Training of a checkpoint.merge = "final" run is over (this supervisor saw it, or the journal says so
-        for this recipe): the next launch is the export."""
-        if self.recipe.checkpoint.merge != "final":
-            return False
-        if self.training_done is None:
-            done = self.journal.get_all().get("training_done")
-            if isinstance(done, dict) and done.get("recipe_hash") == self.hash:
-                self.training_done = done
-        return self.training_done is not None
-
     def _crashed(self, found: Crash | None) -> State:
         """`found`: what the supervisor itself saw (hang, NaN); otherwise classify the log. Then what the machine
         says (verdict.combine): a disk full at the crash, a GPU fault, a kernel OOM kill outrank the log."""
@@ -414,86 +289,6 @@ class Supervisor:
         a.row = replace(a.row, system=asdict(system))  # kept by _finish_attempt's record
         a.crash = crash
         return State.CRASHED
-
-    def _decide(self) -> State:
-        a, now = self.attempt, self.host.now()
-        progressed = self.checkpoints.newest_good_step() > a.good_step_at_launch
-        a.decision = policy.decide(a.crash, self.history, self.recipe.supervisor, now, progressed)
-        self.history = policy.next_history(self.history, a.crash, now, progressed)
-        self.metrics.crash(a.crash.cls)
-        self.journal.event("crash", f"attempt {a.n}: {a.crash.cls.value} -> {a.decision.action.value}:"
-                           f" {a.decision.reason}", evidence=list(a.crash.evidence))
-        if a.decision.alert:
-            self.metrics.alert(a.decision.alert, True)
-        return State.CLEANING
-
-    def _clean(self) -> State:
-        a, started = self.attempt, self.host.now()
-        killed = self.host.terminate(self.run_id, {a.launched.pid}, self.recipe.supervisor.grace_s)
-        if killed:
-            self.journal.event("cleanup", f"SIGKILLed {len(killed)} process(es) that ignored SIGTERM", pids=killed)
-        self._finish_attempt(a.crash)
-        if a.crash.cls is CrashClass.NAN_LOSS and a.bad_step is not None:
-            self._quarantine(a.bad_step, a.n)
-        self.journal.span(started, self.host.now(), "cleanup")
-        if a.decision.action is Action.GIVE_UP:
-            self.exit_reason = a.decision.reason
-            return State.GAVE_UP
-        return State.BACKOFF if a.decision.backoff_s else State.WAITING
-
-    def _wait(self) -> State:
-        """`supervisor.wait = "verified"`: relaunch as soon as the run's processes, GPU memory, NCCL
-        segments and a port are clear (wait_s the upper bound, nccl_settle_s the floor after nccl_*);
-        "fixed": wait_s, the field's blind wait. A crash-loop backoff is always waited in full.
-        The weight files are read into the page cache meanwhile."""
-        a, s, started = self.attempt, self.recipe.supervisor, self.host.now()
-        d, mono = a.decision, self.host.monotonic()
-        verified = s.wait == "verified" and d.action is Action.RELAUNCH
-        self.host.warm_page_cache(pagecache.weight_files(self.recipe.model.path))
-        if self._sleep(d.backoff_s if verified else d.wait_s + d.backoff_s):
-            return State.STOPPED
-        waited_for: tuple[str, ...] = ()
-        if verified:
-            ready = self._await_ready(policy.settle_floor(a.crash.cls, s), d.wait_s)
-            if ready is None:
-                return State.STOPPED
-            waited_for = ready.waiting_for
-        if d.action is Action.WAIT_FOR_SPACE:
-            self.checkpoints.retry_manifests()  # a full disk refused them; unpublished copies wait for them
-            self.checkpoints.prune(self.keep_local, pressure=True, writing=False)  # torn saves, what was published
-            free, need = self.host.free_gib(self.recipe.run.output_dir), self.recipe.supervisor.min_free_gib
-            if free < need:
-                self.journal.event("disk_full", f"{self.recipe.run.output_dir}: {free:.1f} GiB free, waiting for {need:g}")
-                self._pass_done()
-                return State.WAITING
-            self.metrics.alert(Alert.DISK_FULL, False)
-        self.journal.span(started, self.host.now(), "backoff" if d.backoff_s else "wait")
-        took = self.host.monotonic() - mono
-        self.journal.event("wait", f"{'verified' if verified else 'fixed'} wait {took:.2f} s"
-                           + (f" (upper bound reached; still: {'; '.join(waited_for)})" if waited_for else ""),
-                           mode="verified" if verified else "fixed", seconds=round(took, 3),
-                           bound_s=d.wait_s, backoff_s=d.backoff_s, not_clear=list(waited_for))
-        self._pass_done()
-        return State.VERIFYING
-
-    def _await_ready(self, floor_s: float, bound_s: float) -> policy.Readiness | None:
-        """Poll the host until policy.readiness_verdict says go; None when a stop cut it short."""
-        begun, lo, hi = self.host.monotonic(), *self.recipe.supervisor.port_range
-        while True:
-            shm = self.host.shm_segments(self.run_id)
-            orphans = sorted(n for n, pids in shm.items() if not pids)
-            if orphans:  # left by a SIGKILLed rank: no wait frees them, nobody maps them
-                self.host.remove_shm(orphans)
-                self.journal.event("cleanup", f"removed {len(orphans)} NCCL shm segment(s) nobody maps", names=orphans)
-            gpu_problems = self.gpus.verdict(self.host.gpu_snapshot())[1] if self.recipe.gpu.check else []
-            ready = policy.readiness_verdict(
-                self.host.monotonic() - begun, floor_s, bound_s, self.host.leftovers(self.run_id), gpu_problems,
-                {n: pids for n, pids in shm.items() if pids},
-                first_free_port(lo, hi, is_free=self.host.port_free) is not None)
-            if ready.go:
-                return ready
-            if self._sleep(ready.recheck_s):
-                return None
 
     def _stop(self) -> State:
         a = self.attempt
@@ -605,32 +400,3 @@ class Supervisor:
                              first_step_at=a.first_step_at, last_step_at=a.last_step_at,
                              hang_detected_at=a.hang_at))
 
-    def _shutdown(self) -> None:
-        if not self.sidecar:  # pre-flight did not finish (nothing ran), or already shut down
-            if self.lock:
-                self.journal.close()
-                self.lock.release()
-                if self.publish_lock:
-                    self.publish_lock.release()
-                self.publish_lock = None
-                self.lock = None
-            return
-        if self.state is State.COMPLETED and self.attempt and self.attempt.row.ended_at is None:
-            self._drain(self.attempt)
-            self._finish_attempt(Crash(CrashClass.OTHER), stopped=True)
-        if self.state is State.GAVE_UP:
-            self.journal.event("gave_up", self.exit_reason)
-        self.notifier.stopping(f"{self.state.value}: final sync")  # disarms the watchdog for the final sync
-        self.checkpoints.close()  # manifests first: the final sync publishes what they describe
-        self.sidecar.stop(final_sync=True)
-        self.checkpoints.prune(self.keep_local, pressure=False, writing=False)  # what the final sync published
-        self.goodput_at = float("-inf")
-        self._pass_done()  # final goodput and sync figures
-        if self.state is State.GAVE_UP and self.recipe.metrics.enabled:
-            self.host.wait(self.stop_event, self.recipe.metrics.linger_s)  # let Prometheus scrape gave_up
-        self.journal.put(state=self.state.value, exit_reason=self.exit_reason, updated_at=self.host.now())
-        self.metrics.close()
-        self.journal.close()
-        self.lock.release()
-        self.publish_lock.release()
-        self.sidecar = self.lock = self.publish_lock = None

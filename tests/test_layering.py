@@ -5,7 +5,7 @@
     domain/     decisions: classify, policy, verdict, progress, goodput, retention, intervals, simulation
     host/       the machine: Host protocol and LocalHost, launch (local, Slurm), GPUs, journal, metrics, evidence
     store/      checkpoints and sync: discovery and verification, manifests, copying, publishing, tracking
-    loop        supervisor.py, watch.py, preflight.py
+    loop        supervisor.py (+ lifecycle.py, recovery.py, export_phase.py), watch.py, preflight.py
     ops/        commands and presentation: cli, plan, report, html_report, demo, service, tiny
 
 A module imports from its own layer or below, never above (the supervisor never imports presentation
@@ -24,7 +24,7 @@ LAYERS = {
     "domain": {"domain"},
     "host": {"host"},
     "store": {"store"},
-    "loop": {"supervisor", "watch", "preflight", "save_interval"},
+    "loop": {"supervisor", "lifecycle", "recovery", "export_phase", "watch", "preflight", "save_interval"},
     "ops": {"ops", "__main__"},
 }
 ORDER = list(LAYERS)
