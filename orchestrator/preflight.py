@@ -165,7 +165,7 @@ def check_shared_output(r: Recipe, environ=os.environ) -> Check:
     bad = slurm.node_dir_check(alloc, r.parallel.nnodes, where)
     if not bad:
         return Check("output_dir_on_every_node", True, f"{where} seen and writable from {', '.join(nodes)}")
-    return Check("output_dir_on_every_node", False, "; ".join(f"{n}: {p}" for n, p in bad.items())
+    return Check("output_dir_on_every_node", False, "; ".join(f"{n}: {'; '.join(p)}" for n, p in bad.items())
                  + f" — run.output_dir ({where}) must be on a filesystem every node mounts at the same path")
 
 

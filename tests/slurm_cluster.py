@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 NODES = ("n1", "n2", "n3")
 
 
@@ -158,3 +160,16 @@ def start(root: Path, cpus: int = 2, timeout: float = 30) -> Cluster:
         cluster.stop()
         raise
     return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = missing()
+    if why:
+        pytest.skip(why)
+    try:
+        c = start(tmp_path_factory.mktemp("slurm"))
+    except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+        pytest.skip(f"Slurm test cluster did not start: {e}")
+    yield c
+    c.stop()

@@ -19,11 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-import slurm_cluster
+from slurm_cluster import cluster  # noqa: F401 (the module-scoped fixture: one cluster per test module)
 from orchestrator.host.launch import local as launcher
 from orchestrator import preflight
 from orchestrator.host import dir_check
-from orchestrator.host.launch.slurm import (Allocation, NodeFailure, dir_check_results, first_failure, node_log,
+from orchestrator.host.launch.slurm import (Allocation, NodeFailure, first_failure, node_check_results, node_log,
                                               srun_argv)
 from orchestrator.host.node_exec import node_env
 from orchestrator.config.recipe import RecipeError, load
@@ -89,19 +89,6 @@ def test_cli_run_exits_2_outside_an_allocation(tmp_path):
 
 # --- a real cluster ------------------------------------------------------------------------------
 swift = pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = slurm_cluster.missing()
-    if why:
-        pytest.skip(why)
-    try:
-        c = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
-    except (RuntimeError, subprocess.SubprocessError, OSError) as e:
-        pytest.skip(f"Slurm test cluster did not start: {e}")
-    yield c
-    c.stop()
 
 
 @pytest.fixture
@@ -281,13 +268,14 @@ def test_plan_refuses_an_output_dir_the_nodes_do_not_see(cluster, allocation, tm
 def test_node_dir_check_reads_every_node_s_answer(tmp_path):
     token = "ab12"
     (tmp_path / f"{dir_check.MARKER}{token}").write_text(token)
-    assert dir_check.node_view(tmp_path, token, "n1") == {"node": "n1", "ok": True, "problem": ""}
-    assert "not there" in dir_check.node_view(tmp_path, "other", "n1")["problem"]
+    assert dir_check.node_view(tmp_path, token, "n1") == {"node": "n1", "clear": True, "problems": []}
+    assert "not there" in dir_check.node_view(tmp_path, "other", "n1")["problems"][0]
     (tmp_path / f"{dir_check.MARKER}cd34").write_text("x")
-    assert "holds something else" in dir_check.node_view(tmp_path, "cd34", "n1")["problem"]
-    out = "\n".join([json.dumps({"node": "n1", "ok": True, "problem": ""}), "noise",
-                      json.dumps({"node": "n2", "ok": False, "problem": "gone"})])
-    assert dir_check_results(out, ("n1", "n2", "n3")) == {"n2": "gone", "n3": "the check did not answer from this node"}
+    assert "holds something else" in dir_check.node_view(tmp_path, "cd34", "n1")["problems"][0]
+    out = "\n".join([json.dumps(dir_check.node_view(tmp_path, token, "n1")), "noise",
+                      json.dumps(dir_check.node_view(tmp_path, "gone", "n2"))])
+    bad = node_check_results(out, ("n1", "n2", "n3"))
+    assert set(bad) == {"n2", "n3"} and bad["n3"] == ["the check did not answer from this node"]
 
 
 def test_sbatch_dry_run_prints_a_batch_script_and_submits_nothing(tmp_path):

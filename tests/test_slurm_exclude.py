@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.domain.exclude import Exclusion, node_to_exclude
-from orchestrator.host.launch.slurm import gpu_check_results
+from orchestrator.host.launch.slurm import node_check_results
 from orchestrator.types import CrashClass
 
 F, O = CrashClass.CUDA_FATAL, CrashClass.OTHER
@@ -36,7 +36,7 @@ def test_node_to_exclude(bad_for_s, recent, expected):
     ('{"node": "n1", "clear": true, "problems": []}\n{"node": "n2", "clear": false, "problems": ["GPU 0: held by pid 7"]}\n',
      {"n2": ["GPU 0: held by pid 7"]}),
     ('{"node": "n1", "clear": true, "problems": []}\nsrun: error: n2: task 1: Exited with exit code 1\n',
-     {"n2": ["the GPU check did not answer from this node"]}),
+     {"n2": ["the check did not answer from this node"]}),
 ])
 def test_gpu_check_lines(stdout, expected):
-    assert gpu_check_results(stdout, NODES) == expected
+    assert node_check_results(stdout, NODES) == expected

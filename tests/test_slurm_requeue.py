@@ -17,9 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-import slurm_cluster
+from slurm_cluster import cluster  # noqa: F401 (the module-scoped fixture: one cluster per test module)
 from orchestrator.config.recipe import load
 from orchestrator.host.launch import sbatch
 from supervised import FAKE, events, fake_recipe, journal
@@ -28,19 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 # rank 0 runs the fake trainer; the other ranks have nothing to do (python -c: argv[0] is "-c")
 RANK0_ONLY = ("import os, runpy, sys\nif os.environ.get('NODE_RANK', '0') != '0': sys.exit(0)\n"
               f"sys.argv = [{FAKE!r}] + sys.argv[1:]\nrunpy.run_path({FAKE!r}, run_name='__main__')")
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = slurm_cluster.missing()
-    if why:
-        pytest.skip(why)
-    try:
-        c = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
-    except (RuntimeError, subprocess.SubprocessError, OSError) as e:
-        pytest.skip(f"Slurm test cluster did not start: {e}")
-    yield c
-    c.stop()
 
 
 def job_field(cluster, job: str, name: str) -> str:

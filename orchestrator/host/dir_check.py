@@ -2,7 +2,8 @@
 
 srun runs it on every node of the allocation in one step (launch.slurm.node_dir_check): the supervisor's node
 wrote PATH/.orchestrator-visible-TOKEN holding TOKEN; this node reads it back and creates and removes a file
-of its own there (writable). One JSON line: {"node": "n2", "ok": false, "problem": "..."}. Exit 0 either way.
+of its own there (writable). One JSON line, as gpu_check prints: {"node": "n2", "clear": false,
+"problems": ["..."]}. Exit 0 either way.
 """
 from __future__ import annotations
 
@@ -16,20 +17,25 @@ MARKER = ".orchestrator-visible-"
 
 
 def node_view(path: Path, token: str, node: str) -> dict:
+    problem = _problem(path, token, node)
+    return {"node": node, "clear": not problem, "problems": [problem] if problem else []}
+
+
+def _problem(path: Path, token: str, node: str) -> str:
     marker = path / f"{MARKER}{token}"
     try:
         seen = marker.read_text()
     except OSError as e:
-        return {"node": node, "ok": False, "problem": f"{marker} is not there ({e.strerror}): not the same filesystem"}
+        return f"{marker} is not there ({e.strerror}): not the same filesystem"
     if seen != token:
-        return {"node": node, "ok": False, "problem": f"{marker} holds something else: not the same filesystem"}
+        return f"{marker} holds something else: not the same filesystem"
     probe = path / f"{MARKER}{token}-{node}"
     try:
         probe.write_text(node)
         probe.unlink()
     except OSError as e:
-        return {"node": node, "ok": False, "problem": f"cannot write in {path}: {e.strerror}"}
-    return {"node": node, "ok": True, "problem": ""}
+        return f"cannot write in {path}: {e.strerror}"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -143,8 +143,9 @@ def cancel_steps(job_id: str, step_name: str, grace_s: float) -> tuple[list[str]
 ALL_NODES = "*"   # key of a problem that is no node's own (the check step itself failed)
 
 
-def gpu_check_results(stdout: str, nodes: tuple[str, ...]) -> dict[str, list[str]]:
-    """Problems per node from the gpu_check step's JSON lines (a node with no line did not answer); {}: all clear."""
+def node_check_results(stdout: str, nodes: tuple[str, ...]) -> dict[str, list[str]]:
+    """Problems per node from a node check's JSON lines ({"node", "clear", "problems"}; a node with no line did
+    not answer); {}: all clear."""
     seen: dict[str, list[str]] = {}
     for line in stdout.splitlines():
         try:
@@ -154,64 +155,48 @@ def gpu_check_results(stdout: str, nodes: tuple[str, ...]) -> dict[str, list[str
         if isinstance(d, dict) and "node" in d:
             seen[d["node"]] = [] if d.get("clear") else list(d.get("problems") or ["not clear"])
     bad = {n: p for n, p in seen.items() if p}
-    bad.update({n: ["the GPU check did not answer from this node"] for n in nodes if n not in seen})
+    bad.update({n: ["the check did not answer from this node"] for n in nodes if n not in seen})
+    return bad
+
+
+def node_check(alloc: Allocation, nnodes: int, module: str, args: list[str], timeout_s: float) -> dict[str, list[str]]:
+    """`python -m <module> <args>` on each of the first `nnodes` nodes, in one step (one task per node, in
+    parallel); problems per node, {}: all clear. --overlap: a check must never queue behind a step that is
+    still ending."""
+    nodes = alloc.nodes[:nnodes]
+    argv = ["srun", f"--jobid={alloc.job_id}", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
+            "--overlap", f"--job-name=orchestrator-{module.rsplit('.', 1)[-1].replace('_', '-')}",
+            f"--nodelist={','.join(nodes)}", "--input=none", sys.executable, "-m", module, *args]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {ALL_NODES: [f"the check step did not finish: {e}"]}
+    bad = node_check_results(done.stdout, nodes)
+    if done.returncode != 0 and not bad:
+        bad[ALL_NODES] = [f"the check step exited {done.returncode}: {done.stderr.strip()[-300:]}"]
     return bad
 
 
 def node_gpu_check(alloc: Allocation, nnodes: int, ids: list, threshold_mib: int,
                    timeout_s: float = 120) -> dict[str, list[str]]:
-    """Every node's GPU verdict in one step (one task per node, in parallel); problems per node, {}: all clear.
-    --overlap: the check must never queue behind a step that is still ending."""
-    nodes = alloc.nodes[:nnodes]
-    argv = ["srun", f"--jobid={alloc.job_id}", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
-            "--overlap", "--job-name=orchestrator-gpu-check", f"--nodelist={','.join(nodes)}", "--input=none",
-            sys.executable, "-m", "orchestrator.host.gpu_check", f"--ids={','.join(map(str, ids))}",
-            f"--threshold-mib={threshold_mib}"]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {ALL_NODES: [f"the GPU check step did not finish: {e}"]}
-    bad = gpu_check_results(done.stdout, nodes)
-    if done.returncode != 0 and not bad:
-        bad[ALL_NODES] = [f"the GPU check step exited {done.returncode}: {done.stderr.strip()[-300:]}"]
-    return bad
+    """Every node's GPU verdict (host/gpu_check.py)."""
+    return node_check(alloc, nnodes, "orchestrator.host.gpu_check",
+                      [f"--ids={','.join(map(str, ids))}", f"--threshold-mib={threshold_mib}"], timeout_s)
 
 
-def node_dir_check(alloc: Allocation, nnodes: int, path: Path, timeout_s: float = 60) -> dict[str, str]:
-    """Whether every node sees `path` as this node does, in one step: a marker with a fresh token written here,
-    read back on each node, which also creates and removes a file there (host/dir_check.py). Problem per
-    node ({}: every node sees it); a node with no answer is a problem too."""
-    nodes = alloc.nodes[:nnodes]
+def node_dir_check(alloc: Allocation, nnodes: int, path: Path, timeout_s: float = 60) -> dict[str, list[str]]:
+    """Whether every node sees `path` as this node does: a marker with a fresh token written here, read back
+    on each node, which also creates and removes a file there (host/dir_check.py)."""
     token = os.urandom(8).hex()
     marker = path / f"{dir_check.MARKER}{token}"
     try:
         marker.write_text(token)
     except OSError as e:
-        return {ALL_NODES: f"cannot write the marker {marker}: {e.strerror}"}
-    argv = ["srun", f"--jobid={alloc.job_id}", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
-            "--overlap", "--job-name=orchestrator-dir-check", f"--nodelist={','.join(nodes)}", "--input=none",
-            sys.executable, "-m", "orchestrator.host.dir_check", str(path), token]
+        return {ALL_NODES: [f"cannot write the marker {marker}: {e.strerror}"]}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {ALL_NODES: f"the check step did not finish: {e}"}
+        return node_check(alloc, nnodes, "orchestrator.host.dir_check", [str(path), token], timeout_s)
     finally:
         marker.unlink(missing_ok=True)
-    return dir_check_results(done.stdout, nodes)
-
-
-def dir_check_results(stdout: str, nodes: tuple[str, ...]) -> dict[str, str]:
-    seen: dict[str, str] = {}
-    for line in stdout.splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(d, dict) and "node" in d:
-            seen[d["node"]] = "" if d.get("ok") else str(d.get("problem") or "not visible")
-    bad = {n: p for n, p in seen.items() if p}
-    bad.update({n: "the check did not answer from this node" for n in nodes if n not in seen})
-    return bad
 
 
 def requeue_excluding(job_id: str, node: str) -> str:
