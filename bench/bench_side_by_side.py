@@ -10,7 +10,8 @@ faults at the same training progress). The same training runs
   - supervised by the orchestrator (in this process, default recipe behaviour: verified wait, hang
     detection after hang_timeout_s), and
   - under the field's loop, bench/plain_loop.sh (`while true; do swift sft ... --resume_from_checkpoint
-    <newest>; sleep W; done`), where a hang lasts until a person notices it and kills the trainer,
+    <newest>; sleep W; done`), where a hang lasts until a person notices it and kills the trainer (and a
+    save torn by a kill, which the loop resumes from and fails on for ever, until the person deletes it),
 then both again with the hang left out; plus one fault-free run for the effective training time
 (ETT = fault-free wall time / wall time under the faults).
 
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -155,6 +157,30 @@ def run_orchestrator(r, faults: list[tuple[int, str]]) -> dict:
             "launches": len(launches), "fired": len(inj.fired)}
 
 
+class TornCheckpointFixer(threading.Thread):
+    """The field loop resumes from the newest checkpoint directory, verified or not: a kill during a save leaves
+    one the trainer refuses ("Can't find a valid checkpoint at ..."), and the loop fails on it for ever. The
+    person who notices (`noticed_after_s` after the first such failure, as for a hang) deletes it by hand."""
+
+    REFUSED = re.compile(r"Can't find a valid checkpoint at (/\S+)")  # a path (not the f-string in the traceback)
+
+    def __init__(self, log: Path, noticed_after_s: float):
+        super().__init__(daemon=True)
+        self.log, self.noticed = log, noticed_after_s
+        self.done = threading.Event()
+        self.fixed: list[str] = []
+
+    def run(self) -> None:
+        seen_at: dict[str, float] = {}
+        while not self.done.wait(0.5):
+            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            for path in set(self.REFUSED.findall(text)) - set(self.fixed):
+                first = seen_at.setdefault(path, time.monotonic())
+                if time.monotonic() - first >= self.noticed:
+                    shutil.rmtree(path, ignore_errors=True)
+                    self.fixed.append(path)
+
+
 def run_plain(r, faults: list[tuple[int, str]], loop_sleep_s: float, noticed_after_s: float | None) -> dict:
     out = Path(r.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,14 +188,17 @@ def run_plain(r, faults: list[tuple[int, str]], loop_sleep_s: float, noticed_aft
     argv = launcher.resolve(cmd.argv)
     env = {**os.environ, **cmd.env}
     inj = Faults(out, faults, noticed_after_s)
+    fixer = TornCheckpointFixer(out / "plain-loop.log", noticed_after_s or 0.0)
     t0 = time.time()
     inj.start()
+    fixer.start()
     with open(out / "plain-loop.log", "wb") as log:
         code = subprocess.call([str(LOOP), str(out), str(loop_sleep_s), *argv], stdout=log, stderr=subprocess.STDOUT,
                                env=env, cwd=out, timeout=3600)
     wall = time.time() - t0
     inj.done.set()
-    return {"wall_s": wall, "ok": code == 0, "fired": len(inj.fired)}
+    fixer.done.set()
+    return {"wall_s": wall, "ok": code == 0, "fired": len(inj.fired), "torn_deleted_by_hand": fixer.fixed}
 
 
 def finished(r, steps: int) -> bool:
@@ -213,7 +242,8 @@ def run(quick: bool = False, steps: int | None = None, seed: int = 13, workdir: 
         rows.append({"name": f"wall time orchestrator / plain loop, {what}", "measured": round(ratio, 3), "unit": "x",
                      "target": f"<= {target}", "pass": both and ratio <= target,
                      "detail": {"orchestrator_s": round(o["wall_s"], 1), "plain_s": round(p["wall_s"], 1),
-                                "faults": o["faults"], "both_finished": both}})
+                                "faults": o["faults"], "both_finished": both,
+                                "plain_torn_checkpoints_deleted_by_hand": [Path(x).name for x in p["torn_deleted_by_hand"]]}})
         rows.append({"name": f"ETT orchestrator ({what})", "measured": round(clean_s / o["wall_s"], 3), "unit": "",
                      "target": "-", "pass": True})
         rows.append({"name": f"ETT plain loop ({what})", "measured": round(clean_s / p["wall_s"], 3), "unit": "",
