@@ -17,10 +17,11 @@ import re
 from collections.abc import Iterable, Sequence
 from statistics import median
 
+from orchestrator.domain.checkpoint_names import checkpoint_step
+
 # ms-swift's save lines: swift sft ("Saving model checkpoint to X", logged once X is written),
 # megatron sft ("Successfully saved Megatron model weights in `X`." / "... `safetensors` model weights in `X`.").
 SAVE_LINE = re.compile(r"Saving model checkpoint to (\S+)|Successfully saved .*? in `([^`]+)`")
-_CKPT_STEP = re.compile(r"checkpoint-(\d+)(?:-merged)?/*$")
 
 
 def saved_step(line: str) -> int | None:
@@ -30,8 +31,7 @@ def saved_step(line: str) -> int | None:
     m = SAVE_LINE.search(line)
     if not m:
         return None
-    s = _CKPT_STEP.search((m.group(1) or m.group(2)).rstrip(".`"))
-    return int(s.group(1)) if s else None
+    return checkpoint_step((m.group(1) or m.group(2)).rstrip(".`"))
 
 
 def startup_seconds(launched_at: float, first_step_at: float | None) -> float | None:

@@ -13,6 +13,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from orchestrator.domain import progress
+from orchestrator.domain.checkpoint_names import CKPT_RE, MERGED_RE, step_of
 from orchestrator.store.filechecks import (MAX_HEADER, REDO, LoraExpect, Verification, _check_index, _load_json,
                                            check_adapter_config, check_header, read_safetensors, verify_merged)
 from orchestrator.store.manifest import manifest_matches, manifest_stale, read_manifest
@@ -26,13 +27,6 @@ __all__ = [
     "logged_losses", "discover", "scan", "verify_report", "merged_name", "export_staging_name", "verify_merged",
 ]
 
-CKPT_RE = re.compile(r"checkpoint-(\d+)")
-MERGED_RE = re.compile(r"checkpoint-(\d+)-merged")
-
-
-def step_of(name: str | os.PathLike) -> int:
-    """The step in a `checkpoint-N` (or `checkpoint-N-merged`, `checkpoint-N.nan-...`) name or path."""
-    return int(re.match(r"checkpoint-(\d+)", Path(name).name).group(1))
 ITER_DIR_RE = re.compile(r"iter_(\d{7,})")
 ITER_FILE = "latest_checkpointed_iteration.txt"
 

@@ -207,13 +207,11 @@ def requeue_excluding(job_id: str, node: str) -> str:
     before = [] if not m or m.group(1) == "(null)" else _slurm("scontrol", "show", "hostnames", m.group(1)).split()
     excluded = ",".join(sorted({*before, node}))
     _slurm("scontrol", "requeue", job_id)
-    for _ in range(20):  # the requeue returns before the job is pending again
+    for tries_left in reversed(range(21)):  # the requeue returns before the job is pending again
         try:
             _slurm("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={excluded}", survive_requeue=True)
             return excluded
         except SlurmError as e:
-            if "pending" not in str(e):
+            if "pending" not in str(e) or not tries_left:
                 raise
             time.sleep(0.25)
-    _slurm("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={excluded}", survive_requeue=True)
-    return excluded
