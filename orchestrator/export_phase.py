@@ -9,8 +9,10 @@ from orchestrator.watch import AttemptWatch
 
 class ExportPhase:
     def _training_finished(self, a: AttemptWatch) -> State:
-        """checkpoint.merge = "final": training is over; the export of its last checkpoint comes next (in
-        the journal first, so a supervisor restarted from here goes straight to the export)."""
+        """Training is over: COMPLETED, or with checkpoint.merge = "final" the export of its last checkpoint
+        next (in the journal first, so a supervisor restarted from here goes straight to the export)."""
+        if self.recipe.checkpoint.merge != "final":
+            return State.COMPLETED
         self._finish_attempt(Crash(CrashClass.OTHER), stopped=True)
         self.training_done = {"step": a.last.step if a.last else None, "recipe_hash": self.hash}
         self.journal.put(training_done=self.training_done)

@@ -233,6 +233,13 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
             return self._crashed(Crash(CrashClass.NAN_LOSS, a.bad, Phase.TRAINING))
         if exited and a.row.kind == "export":
             return self._export_finished(a)
+        if exited and a.done and a.launched.status.code != 0 and a.last and self.checkpoints.verified_at(a.last.step):
+            # every step done and the last save verified: a failure while tearing down (seen: a gloo rank's
+            # "terminate called without an active exception" at exit) leaves nothing to redo
+            st = a.launched.status
+            self.journal.event("teardown_failure", f"the trainer exited {st.code if st.code is not None else f'by signal {st.signal}'} "
+                               f"after its last step {a.last.step}, whose checkpoint verified: training is complete")
+            return self._training_finished(a)
         if exited and a.done and a.launched.status.code == 0:
             torn = self.checkpoints.failed_at(a.last.step) if a.last else ()
             if torn:  # not complete: the newest verified checkpoint is older than the last step
@@ -240,7 +247,7 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
                     f"the trainer exited 0 at step {a.last.step} but its final checkpoint failed verification: "
                     "not complete; find why the save broke, then rerun to redo the steps after the newest "
                     "verified checkpoint",) + torn, Phase.TRAINING))
-            return self._training_finished(a) if self.recipe.checkpoint.merge == "final" else State.COMPLETED
+            return self._training_finished(a)
         if exited:
             return self._crashed(None)
         if self.stop_event.is_set():

@@ -97,6 +97,30 @@ def test_a_final_checkpoint_that_fails_verification_is_not_complete(world, merge
     assert "training_done" not in journal(sup).get_all()
 
 
+@pytest.mark.parametrize("merge, saved_last, next_state", [
+    ("never", True, State.COMPLETED),
+    ("final", True, State.VERIFYING),    # the export comes next
+    ("never", False, State.CRASHED),     # the last save is missing: steps to redo
+])
+def test_a_failure_at_teardown_after_the_last_verified_save_is_complete(world, merge, saved_last, next_state):
+    """Every step done and the last checkpoint verified, then a nonzero exit while tearing down (a gloo rank's
+    "terminate called without an active exception" at exit, seen on the 2-node run): nothing to redo."""
+    sup, host = world(lora=FINAL["lora"], checkpoint={"merge": merge})
+    drive(sup, State.RUNNING)
+    t = host.trainers[-1]
+    make_megatron(sup.out, MAX // 2)
+    if saved_last:
+        make_megatron(sup.out, MAX)
+    t.steps(1, MAX, MAX)
+    t.write("terminate called without an active exception")
+    t.exit(code=1)
+    assert sup.step() is next_state
+    teardown = [e for e in journal(sup).events() if e["kind"] == "teardown_failure"]
+    assert bool(teardown) is saved_last
+    if saved_last:
+        assert f"exited 1 after its last step {MAX}" in teardown[0]["message"]
+
+
 def _ok(sup, t):
     write_export(Path(option(t.cmd.argv, "output_dir")))
     t.exit(code=0)

@@ -87,6 +87,10 @@ class CheckpointTracker:
             if (before is not None and not before[1]) != (not ok):
                 self.metrics.alert(Alert.CHECKPOINT_INVALID, not ok)
 
+    def verified_at(self, step: int) -> bool:
+        """The newest checkpoint verified so far is the one saved at `step`, and it is good."""
+        return self.newest_verdict == (step, True)
+
     def failed_at(self, step: int) -> tuple[str, ...]:
         """Why the newest checkpoint failed verification when it is the one saved at `step`; () otherwise."""
         return self.newest_problems if self.newest_verdict == (step, False) else ()
