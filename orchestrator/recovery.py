@@ -7,13 +7,19 @@ Supervisor inherits them; its step() table names every state on one screen):
     CLEANING         SIGTERM the group, grace, SIGKILL leftovers              -> WAITING | BACKOFF | GAVE_UP
     WAITING/BACKOFF  verified-ready (processes, GPU memory, NCCL segments, a port; wait_s the bound) or the
                      fixed wait; disk_full waits for space                    -> VERIFYING
+    (LAUNCHING)      nothing local to resume from: the newest published copy restored in the background
+                     (_restore); a NaN quarantines the copies written at or after it (_quarantine)
 """
 from __future__ import annotations
 
 from orchestrator.domain import policy
 from orchestrator.host import pagecache
 from orchestrator.host.probe import first_free_port
-from orchestrator.types import Action, Alert, CrashClass, State
+from orchestrator.types import Action, Alert, CrashClass, Resume, State
+
+GIB = 1024**3
+WAIT_SLICE_S = 1.0
+RESTORE_REPORT_S = 30.0   # a deliberate wait reports (watchdog, spot notice, sync) at least this often
 
 
 class Recovery:
@@ -121,3 +127,21 @@ class Recovery:
                 return ready
             if self._sleep(ready.recheck_s):
                 return None
+
+    def _restore(self) -> Resume | None:
+        """The restore runs in the background; the loop waits in slices that keep the watchdog and the
+        status alive, and reports progress (a 397B checkpoint is hundreds of GB: minutes, not seconds)."""
+        started = reported = self.host.monotonic()
+        self.sidecar.start_restore()
+        while not self.sidecar.restore_done.is_set():
+            if self._sleep(WAIT_SLICE_S):
+                break
+            mono = self.host.monotonic()
+            copied = self.sidecar.restore_copied_bytes()
+            self.journal.put(restore_copied_bytes=copied)
+            if mono - reported >= RESTORE_REPORT_S:
+                reported = mono
+                self.journal.event("restore_progress", f"{copied / GIB:.1f} GiB copied in {mono - started:.0f} s")
+                self.notifier.status(f"restoring: {copied / GIB:.1f} GiB copied")
+        best = self.sidecar.finish_restore()
+        return self.checkpoints.resume_from(best) if best else None

@@ -12,6 +12,8 @@ rebuilt from the journal on start, so a restarted supervisor remembers crashes a
                                                                               -> LAUNCHING | RELAUNCHING
     (RE)LAUNCHING  render from the newest good checkpoint, start the process group  -> RUNNING
     RUNNING      gather -> detect (exit, hang, NaN, resume divergence, new checkpoints) -> act
+                 hang: no new step within the attempt's timer (5 x its longest step gap once it has shown
+                 its pace and a save, hang_floor_s..hang_timeout_s) and no save being written
                  exit 0 at max steps -> COMPLETED; failure -> CRASHED; stop/spot -> STOPPING
                  checkpoint.merge = "final": exit 0 at max steps -> VERIFYING, and the next launch is
                  the export of the newest verified checkpoint (an attempt of kind "export", watched by
@@ -53,18 +55,15 @@ from orchestrator.store.rundir import RunLock
 from orchestrator.store.publisher import Publisher
 from orchestrator.host.slurm_host import host_for
 from orchestrator.host.spot import from_recipe as spot_notice
-from orchestrator.types import TERMINAL_STATES, Attempt, Crash, CrashClass, ExitCode, Phase, Resume, State
+from orchestrator.types import TERMINAL_STATES, Attempt, Crash, CrashClass, ExitCode, Phase, State
 from orchestrator.watch import AttemptWatch
-from orchestrator.recovery import Recovery
+from orchestrator.recovery import WAIT_SLICE_S, Recovery
 from orchestrator.lifecycle import RunLifecycle
 from orchestrator.export_phase import ExportPhase
 
-GIB = 1024**3
 CHECKPOINT_SCAN_S = 2.0
 GOODPUT_EVERY_S = 10.0
 ECHO_PROGRESS_S = 10.0
-WAIT_SLICE_S = 1.0
-RESTORE_REPORT_S = 30.0   # a deliberate wait reports (watchdog, spot notice, sync) at least this often
 
 
 class Supervisor(RunLifecycle, Recovery, ExportPhase):
@@ -261,13 +260,7 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
             self.exit_reason = f"resume divergence: {divergence}"
             self.host.terminate(self.run_id, {a.launched.pid}, s.grace_s)
             return State.GAVE_UP
-        hang = policy.hang_verdict(mono, a.launched.started_mono, a.last_step_mono, s.hang_timeout_s,
-                                   s.startup_timeout_s)
-        if hang and a.row.kind == "export":
-            hang = (f"the export still runs after startup_timeout_s = {s.startup_timeout_s:.0f} s (an export logs "
-                    f"no steps: startup_timeout_s bounds it; raise it for a model this size)")
-        elif hang and self._saving(now):
-            hang = None
+        hang = self._hang(now, mono)
         if hang:
             a.hang_at = now
             self.host.dump_stacks(a.launched.pid, self.state_dir / f"stacks-{a.n:04d}.txt")
@@ -320,35 +313,31 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
             self._pass_done()
         return True
 
-    def _saving(self, now: float) -> bool:
-        """A save is no hang: at 397B a merged copy takes half an hour to write, and no step is logged meanwhile.
-        Checked only once the hang timer has run out."""
-        last = self.host.newest_write(self.out)
-        return last is not None and now - last < self.recipe.supervisor.hang_timeout_s
+    def _hang(self, now: float, mono: float) -> str | None:
+        """No new step within the attempt's hang timer (policy.hang_timeout), and no save in progress: at 397B a
+        merged copy takes half an hour to write, and no step is logged meanwhile."""
+        a, s = self.attempt, self.recipe.supervisor
+        timer, why = policy.hang_timeout(s, a.longest_gap_s, a.gaps, len(a.saves),
+                                         evals_apart="eval_steps" in self.recipe.extra_args)
+        if timer != a.hang_timer_s:
+            if a.hang_timer_s is None or a.hang_timer_s >= s.hang_timeout_s > timer:
+                self.journal.event("hang_timer", f"attempt {a.n}: hang timer {timer:.0f} s: {why}", seconds=timer)
+            a.hang_timer_s = timer
+            self.metrics.hang_timer(timer)
+        hang = policy.hang_verdict(mono, a.launched.started_mono, a.last_step_mono, timer, s.startup_timeout_s)
+        if hang and a.row.kind == "export":
+            return (f"the export still runs after startup_timeout_s = {s.startup_timeout_s:.0f} s (an export logs "
+                    f"no steps: startup_timeout_s bounds it; raise it for a model this size)")
+        last = self.host.newest_write(self.out) if hang else None
+        if not hang or (last is not None and now - last < timer):
+            return None
+        return hang if a.last_step_mono is None else f"{hang}: {why}"
 
     def _drain(self, a: AttemptWatch) -> None:
         """Read everything an exited trainer wrote (log, logging.jsonl, checkpoints) before recording it."""
         for p in a.gather(self.host.now(), self.host.monotonic(), drain=True):
             self.metrics.observe_progress(p)
         self._scan_checkpoints(force=True)
-
-    def _restore(self) -> Resume | None:
-        """The restore runs in the background; the loop waits in slices that keep the watchdog and the
-        status alive, and reports progress (a 397B checkpoint is hundreds of GB: minutes, not seconds)."""
-        started = reported = self.host.monotonic()
-        self.sidecar.start_restore()
-        while not self.sidecar.restore_done.is_set():
-            if self._sleep(WAIT_SLICE_S):
-                break
-            mono = self.host.monotonic()
-            copied = self.sidecar.restore_copied_bytes()
-            self.journal.put(restore_copied_bytes=copied)
-            if mono - reported >= RESTORE_REPORT_S:
-                reported = mono
-                self.journal.event("restore_progress", f"{copied / GIB:.1f} GiB copied in {mono - started:.0f} s")
-                self.notifier.status(f"restoring: {copied / GIB:.1f} GiB copied")
-        best = self.sidecar.finish_restore()
-        return self.checkpoints.resume_from(best) if best else None
 
     def _quarantine(self, nan_step: int, attempt_n: int) -> None:
         """Published copies first (a restore must never take one), then the local ones (clears nan_pending)."""

@@ -46,6 +46,9 @@ class AttemptWatch:
     last_step_at: float | None = None          # wall clock, recorded
     last_step_mono: float | None = None        # monotonic, for hang detection
     hang_at: float | None = None
+    longest_gap_s: float = 0.0                 # between two new step records (monotonic): the attempt's pace
+    gaps: int = 0
+    hang_timer_s: float | None = None          # the timer last applied (policy.hang_timeout)
     crash: Crash | None = None
     decision: Decision | None = None
     first_logged: Progress | None = None       # first logging.jsonl step record of this attempt
@@ -96,6 +99,8 @@ class AttemptWatch:
                 self._check(p, line)
         for p in fresh:
             if self.last is None or p.step > self.last.step:
+                if self.last_step_mono is not None:
+                    self.longest_gap_s, self.gaps = max(self.longest_gap_s, mono - self.last_step_mono), self.gaps + 1
                 self.last, self.last_step_at, self.last_step_mono = p, now, mono
             if self.first_step is None:
                 self.first_step, self.first_step_at = p.step, now

@@ -310,7 +310,12 @@ def test_plan_shows_the_save_interval(save_steps, mode, monkeypatch, tmp_path):
     from orchestrator.host import node_history
     from orchestrator.store.rundir import run_id
     r = R.load(next(p for p in RECIPES if p.name.startswith("qwen3.5-397b")))
-    r = r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"save_steps": save_steps})})
+    shipped = r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"save_steps": "auto"})})
+    auto = plan.plan(shipped, FakeReader(NO_DRIVER))["save_interval"]["auto"]  # no HF adapter: a 2 s save
+    assert auto["steps"] == 10 and auto["save_s"] < 2.5 and auto["background_s"] > 140  # Daly ~178 s: 10 steps
+    # with the HF adapter at every save (28.3 GiB written before training goes on): Young/Daly decides
+    r = r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"save_steps": save_steps,
+                                                                           "save_safetensors": True})})
     out = plan.plan(r, FakeReader(NO_DRIVER))  # not probed: the default write speed
     si = out["save_interval"]
     argv = out["argv"]

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.domain.policy import HOUR, History, crashes_last_hour, decide, hang_verdict, next_history, resume_verdict
+from orchestrator.domain.policy import (HOUR, History, crashes_last_hour, decide, hang_timeout, hang_verdict,
+                                        next_history, resume_verdict)
 from orchestrator.config.recipe import SupervisorSection
 from orchestrator.host.metrics import RAISED_BY_SUPERVISOR
 from orchestrator.types import Action, Alert, Crash, CrashClass
@@ -234,7 +235,7 @@ def test_next_history_then_nan_twice():
     (10_000, 0, None, "startup", "startup_timeout_s"),
     (3601, 0, 3000, None, None),                 # training: the step clock applies, not startup
     (4800, 0, 3000, None, None),                 # exactly hang_timeout_s since the last step
-    (4801, 0, 3000, "hang", "hang_timeout_s = 1800"),
+    (4801, 0, 3000, "hang", "hang timer 1800 s"),
     (10_000, 9_000, 9_500, None, None),
     (100_000, 0, 10, "hang", "no new training step"),
 ])
@@ -250,6 +251,25 @@ def test_hang_verdict_startup_longer_than_hang():
     # 2000 s after launch without a step is fine at startup, a hang once training has started
     assert hang_verdict(2000, 0, None, 1800, 3600) is None
     assert hang_verdict(2000, 0, 100, 1800, 3600) is not None
+
+
+# --- hang_timeout -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, bound, floor, gap, gaps, saves, timer, fragment", [
+    ("adaptive", 1800, 300, 20.0, 50, 2, 300, "hang_floor_s = 300"),   # 5 x 20 s = 100 s: the floor
+    ("adaptive", 1800, 300, 90.0, 50, 2, 450, "5 x the longest step gap"),
+    ("adaptive", 1800, 300, 400.0, 50, 2, 1800, "hang_timeout_s = 1800"),  # never above the bound
+    ("adaptive", 1800, 300, 20.0, 9, 2, 1800, "9 gaps"),    # too few gaps: the bound
+    ("adaptive", 1800, 300, 20.0, 50, 0, 1800, "0 saves"),  # no save lived through: the bound
+    ("adaptive", 200, 300, 20.0, 50, 2, 200, ""),           # a bound below the floor wins
+    ("fixed", 1800, 300, 20.0, 50, 2, 1800, "fixed"),
+])
+def test_hang_timeout(mode, bound, floor, gap, gaps, saves, timer, fragment):
+    cfg = SupervisorSection(hang=mode, hang_timeout_s=bound, hang_floor_s=floor)
+    t, why = hang_timeout(cfg, gap, gaps, saves)
+    assert t == timer and fragment in why
+    # evaluations on their own schedule (extra_args.eval_steps): not in the pace, the bound throughout
+    assert hang_timeout(cfg, gap, gaps, saves, evals_apart=True)[0] == bound
 
 
 # --- resume_verdict ------------------------------------------------------------------------------

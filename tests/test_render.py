@@ -144,6 +144,10 @@ def test_resume_flags(request, backend, resume, present, absent):
     (["checkpoint.save_total_limit=3"], "save_total_limit", ["3"]),
     ([], "async_save", ["false"]),
     (["checkpoint.async_save=true"], "async_save", ["true"]),
+    ([], "save_safetensors", ["true"]),                                 # merge never: the HF adapter is the export
+    (['checkpoint.merge="final"'], "save_safetensors", ["false"]),     # the mcore shards hold it: no copy
+    (['checkpoint.merge="final"', "checkpoint.save_safetensors=true"], "save_safetensors", ["true"]),
+    (['checkpoint.merge="final"', "checkpoint.keep_optimizer=false"], "save_safetensors", ["true"]),
     (['lora.target_modules=["linear_qkv", "linear_proj"]'], "target_modules", ["linear_qkv", "linear_proj"]),
     (["parallel.tensor=2", "parallel.sequence_parallel=true"], "sequence_parallel", ["true"]),
     (["memory.recompute_granularity=full", "memory.recompute_method=block", "memory.recompute_num_layers=2"],

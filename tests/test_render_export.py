@@ -70,3 +70,16 @@ def test_mtp_layers_ignores_non_counts(write_recipe, tmp_path):
     assert mtp_layers(r, {"mtp_num_hidden_layers": True}) is None
     assert mtp_layers(r, {"text_config": {"mtp_num_hidden_layers": "1"}}) is None
     assert mtp_layers(r, None) is None
+
+
+@pytest.mark.parametrize("hf_adapter, flag", [(True, "adapters"), (False, "mcore_adapter")])
+def test_megatron_export_reads_the_adapter_the_checkpoint_has(tmp_path, hf_adapter, flag):
+    """The shipped recipes save no HF adapter (merge = "final"): the export merges from the mcore shards;
+    a checkpoint saved with checkpoint.save_safetensors = true is merged from its adapter_model.safetensors."""
+    (path,) = [p for p in RECIPES if p.name == "qwen3.5-397b-a17b-lora-ep8.toml"]
+    ckpt = tmp_path / "checkpoint-900"
+    ckpt.mkdir()
+    if hf_adapter:
+        (ckpt / "adapter_model.safetensors").write_bytes(b"")
+    opts = export_options(render_export(R.load(path), str(ckpt), str(tmp_path / "merged")).argv)
+    assert opts[flag] == [str(ckpt)] and not ({"adapters", "mcore_adapter"} - {flag}) & set(opts)

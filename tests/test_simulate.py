@@ -79,11 +79,22 @@ def test_hang_detection_matters(hangs_per_day, plain_hang_h, margin):
     assert orch - plain > margin, (orch, plain)
 
 
-def test_hang_cost_is_the_detection_timeout():
-    sc = Scenario(per_hour={"nccl_timeout_hang": 1 / 12})
-    for loop, per_hang in [("orchestrator", SupervisorSection().hang_timeout_s), ("plain", sc.plain_hang_s)]:
-        r = simulate(sc, loop, seed=3, supervisor=NO_GUARDS)
-        assert r.lost["hang"] == pytest.approx(per_hang * r.crashes["nccl_timeout_hang"])
+@pytest.mark.parametrize("hang, save_steps, per_hang", [
+    ("fixed", 100, 1800.0),      # hang_timeout_s
+    ("adaptive", 100, None),     # hang_floor_s once an attempt lived through a save, hang_timeout_s before
+    ("adaptive", 10**6, 1800.0),  # never a save: hang_timeout_s
+])
+def test_hang_cost_is_the_detection_timeout(hang, save_steps, per_hang):
+    sc = Scenario(per_hour={"nccl_timeout_hang": 1 / 12}, save_steps=save_steps)
+    cfg = NO_GUARDS.model_copy(update={"hang": hang})
+    r = simulate(sc, "orchestrator", seed=3, supervisor=cfg)
+    n = r.crashes["nccl_timeout_hang"]
+    if per_hang is not None:
+        assert r.lost["hang"] == pytest.approx(per_hang * n)
+    else:  # 5 x (18 s step + 0 s save) < the 300 s floor: each hang costs 300 s or 1800 s, most of them 300
+        assert 300 * n < r.lost["hang"] < 1800 * n and (r.lost["hang"] - 300 * n) % 1500 == pytest.approx(0, abs=1e-6)
+    plain = simulate(sc, "plain", seed=3, supervisor=cfg)
+    assert plain.lost["hang"] == pytest.approx(sc.plain_hang_s * plain.crashes["nccl_timeout_hang"])
 
 
 @pytest.mark.parametrize("cls,orch_wait", [
@@ -214,15 +225,21 @@ def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
     b = storage.budget(r, cfg, total)
     assert r.checkpoint.merge == "final"
     assert sum(b.per_save_bytes.values()) == R.ORCH_SAVE_BYTES and b.final_merged_bytes == R.MERGED_BYTES
-    assert b.per_save_bytes["adapter"] == R.ADAPTER_BYTES and r.parallel.nproc_per_node == R.RANKS
+    assert "adapter" not in b.per_save_bytes and r.parallel.nproc_per_node == R.RANKS
+    with_adapter = storage.budget(load(next(p for p in RECIPES if p.name.startswith("qwen3.5-397b")),
+                                         ["checkpoint.save_safetensors=true"]), cfg, total)
+    assert with_adapter.per_save_bytes["adapter"] == R.ADAPTER_BYTES
+    assert R.Inputs().plain_save_bytes == R.ADAPTER_BYTES + R.ORCH_SAVE_BYTES + R.MERGED_BYTES
     assert r.checkpoint.async_save is R.Inputs().async_save is True
 
 
 def test_async_save_blocks_for_the_safetensors_and_the_staging_only():
-    w, bg = 2**30, R.ORCH_SAVE_BYTES - R.ADAPTER_BYTES
+    w, bg = 2**30, R.ORCH_SAVE_BYTES
     a, sync = R.Inputs(), R.Inputs(async_save=False)
-    assert a.orch_save_s == pytest.approx(R.ADAPTER_BYTES / w + bg / 8 / 10e9)
+    assert a.orch_save_s == pytest.approx(bg / 8 / 10e9)  # the shipped recipe: no adapter safetensors per save
     assert a.orch_background_s == pytest.approx(bg / w)
+    with_adapter = R.Inputs(orch_save_bytes=R.ORCH_SAVE_BYTES + R.ADAPTER_BYTES, orch_sync_bytes=R.ADAPTER_BYTES)
+    assert with_adapter.orch_save_s == pytest.approx(R.ADAPTER_BYTES / w + bg / 8 / 10e9)
     assert sync.orch_save_s == pytest.approx(R.ORCH_SAVE_BYTES / w) and sync.orch_background_s == 0
     sc = R.priced(FIELD, a)
     assert (sc.save_s, sc.save_bg_s) == (a.orch_save_s, a.orch_background_s)
@@ -277,7 +294,8 @@ def test_startup_ratio_applies_to_relaunches_only():
 
 def test_auto_interval_follows_the_evidence():
     """save_steps = auto: Daly's interval at every launch from the crashes seen; more crashes, shorter intervals."""
-    calm, rough = (R.priced(FIELD, R.Inputs(crash_rate_per_h=rate)) for rate in (0.1, 2.0))
+    costly = {"orch_save_bytes": R.ORCH_SAVE_BYTES + R.ADAPTER_BYTES, "orch_sync_bytes": R.ADAPTER_BYTES}  # 30 s
+    calm, rough = (R.priced(FIELD, R.Inputs(crash_rate_per_h=rate, **costly)) for rate in (0.1, 2.0))
     a, b = simulate(calm, "orchestrator", 3), simulate(rough, "orchestrator", 3)
     assert a.intervals[0] == b.intervals[0]  # the same prior at the first launch
     assert max(b.intervals[-5:]) < a.intervals[0] < min(a.intervals[-3:])

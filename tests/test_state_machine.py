@@ -250,6 +250,47 @@ def test_hang_is_measured_on_the_monotonic_clock(world):
         fake_host.T0 -= 10_000
 
 
+def _paced(sup, host, t, steps: int = 12, save_at: int = 5) -> None:
+    """Steps every 20 s, one save (at `save_at`) pausing training 40 s more."""
+    for s in range(1, steps + 1):
+        t.steps(s, s, 40)
+        assert sup.step() is State.RUNNING
+        host.mono += 20 + (40 if s == save_at else 0)
+
+
+@pytest.mark.parametrize("hang, save_steps, quiet_s, next_state", [
+    ("adaptive", 5, 320, State.CRASHED),    # 5 x the longest gap (~60 s) = ~300 s: a hang after 320 s
+    ("adaptive", 5, 250, State.RUNNING),    # under the timer
+    ("adaptive", 100, 320, State.RUNNING),  # no save lived through yet: hang_timeout_s (3600) still applies
+    ("fixed", 5, 320, State.RUNNING),       # the field's timer: hang_timeout_s throughout
+    ("fixed", 5, 3601, State.CRASHED),
+])
+def test_adaptive_hang_timer(world, hang, save_steps, quiet_s, next_state):
+    """Once an attempt has shown its pace (10 step gaps and a save), no new step for 5 x its longest gap
+    (at least hang_floor_s) is a hang: minutes, not hang_timeout_s."""
+    sup, host = world(supervisor={"hang_timeout_s": 3600, "hang_floor_s": 120, "hang": hang},
+                      checkpoint={"save_steps": save_steps}, optim={"iterations": 40})
+    _paced(sup, host, running(sup, host))
+    host.mono += quiet_s
+    assert sup.step() is next_state
+    if next_state is State.CRASHED:
+        assert sup.attempt.crash.cls is CrashClass.NCCL_TIMEOUT_HANG
+        assert ("5 x the longest step gap" in sup.attempt.crash.evidence[0]) is (hang == "adaptive")
+        events = [e for e in journal(sup).events() if e["kind"] == "hang_timer"]
+        assert (len(events) == 2) is (hang == "adaptive"), events  # the bound first, then the adaptive timer
+
+
+def test_adaptive_hang_timer_floor(world):
+    """A fast attempt's timer never drops below hang_floor_s."""
+    sup, host = world(supervisor={"hang_timeout_s": 3600, "hang_floor_s": 900}, checkpoint={"save_steps": 5},
+                      optim={"iterations": 40})
+    _paced(sup, host, running(sup, host))
+    host.mono += 800
+    assert sup.step() is State.RUNNING
+    host.mono += 101
+    assert sup.step() is State.CRASHED and "hang_floor_s = 900" in sup.attempt.crash.evidence[0]
+
+
 # --- CRASHED: decide ------------------------------------------------------------------------------
 PORT_TAKEN = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
               "address. port: 29500, useIPv6: False, code: -98, name: EADDRINUSE, message: address already in use")

@@ -98,18 +98,21 @@ def test_mcore_count_is_the_memory_estimates():
 ADAPTER_397, SHARDS_397, MERGED_397 = 15_220_101_120 * 2, 11_164_078_080 * 14, 397_000_000_000 * 2
 RNG_8 = 8 * 64 * 1024
 CKPT_397 = ADAPTER_397 + SHARDS_397 + RNG_8
+ST = "checkpoint.save_safetensors=true"  # merge = "final" saving the HF adapter at every save as well
 
 
 @pytest.mark.parametrize("path,overrides,parts", [
     # the merged copy is the whole model in bf16: 794e9 bytes = 739.5 GiB for 397B, 437.7 GiB for 235B
     (R397, ['checkpoint.merge="every_save"'],
      {"adapter": ADAPTER_397, "mcore_shards": SHARDS_397, "rng_scheduler": RNG_8, "merged": MERGED_397}),
-    (R397, [], {"adapter": ADAPTER_397, "mcore_shards": SHARDS_397, "rng_scheduler": RNG_8}),  # merge = "final"
+    # merge = "final": no HF adapter per save (the mcore shards hold the LoRA weights; the export reads them)
+    (R397, [], {"mcore_shards": SHARDS_397, "rng_scheduler": RNG_8}),
+    (R397, [ST], {"adapter": ADAPTER_397, "mcore_shards": SHARDS_397, "rng_scheduler": RNG_8}),
     (R397, ["checkpoint.keep_optimizer=false"], {"adapter": ADAPTER_397}),  # --no_save_optim --no_save_rng
     (R235, ['checkpoint.merge="every_save"'],
      {"adapter": 3_303_505_920 * 2, "mcore_shards": 2_502_656_000 * 14, "rng_scheduler": RNG_8,
       "merged": 470_000_000_000}),
-    (R235, [], {"adapter": 3_303_505_920 * 2, "mcore_shards": 2_502_656_000 * 14, "rng_scheduler": RNG_8}),
+    (R235, [], {"mcore_shards": 2_502_656_000 * 14, "rng_scheduler": RNG_8}),
 ])
 def test_per_save_bytes(path, overrides, parts):
     assert budget_of(path, *overrides).per_save_bytes == parts
@@ -123,16 +126,21 @@ def test_per_save_bytes(path, overrides, parts):
     (R397, ['checkpoint.merge="every_save"'], 2, 2000.7, 3653.5, 519.6),
     # weights-only saves: adapter 28.3 GiB + merged 739.5 GiB every 30 min: 3 x 28.3 + 2 x 739.5; 4 x 767.8
     (R397, ['checkpoint.merge="every_save"', "checkpoint.keep_optimizer=false"], 2, 1564.0, 3071.3, 436.8),
-    # final: 2 kept + the 739.5 GiB export after the last step; persistent: 4 copies + the merged model
-    (R397, [], 2, 1087.3, 1435.1, 98.9),
-    (R397, ["checkpoint.keep_local=1"], 1, 913.4, 1435.1, 98.9),
+    # final (with the HF adapter at every save): 2 kept + the 739.5 GiB export after the last step;
+    # persistent: 4 copies + the merged model
+    (R397, [ST], 2, 1087.3, 1435.1, 98.9),
+    (R397, [ST, "checkpoint.keep_local=1"], 1, 913.4, 1435.1, 98.9),
     (R397, ['checkpoint.merge="never"'], 2, 521.7, 695.7, 98.9),   # 3 x 173.9 GiB; 4 x 173.9 GiB
-    (R397, ["checkpoint.step_time_s=36"], 2, 1087.3, 1435.1, 49.5),
-    (R397, ["checkpoint.save_steps=400"], 2, 1087.3, 1435.1, 24.7),
+    (R397, [ST, "checkpoint.step_time_s=36"], 2, 1087.3, 1435.1, 49.5),
+    (R397, [ST, "checkpoint.save_steps=400"], 2, 1087.3, 1435.1, 24.7),
+    # final as shipped: no HF adapter per save, 145.6 GiB: max(3 x 145.6, 2 x 145.6 + 739.5); 4 x 145.6 + 739.5
+    (R397, [], 2, 1030.6, 1321.7, 82.8),
+    (R397, ["checkpoint.keep_local=1"], 1, 885.0, 1321.7, 82.8),
     # 235B checkpoint per save: adapter 6.2 GiB + mcore_shards 32.6 GiB = 38.8 GiB; merged 437.7 GiB
     (R235, ['checkpoint.merge="every_save"'], 2, 991.8, 1906.0, 1524.8),
-    (R235, [], 2, 515.3, 592.9, 124.1),                    # 100 steps x 3.2 s (ms-swift's example)
-    (R235, ["run.persistent_dir=\"\""], 3, 554.1, None, 0.0),  # no persistent_dir: 3 kept + the 437.7 GiB export
+    (R235, [ST], 2, 515.3, 592.9, 124.1),                  # 100 steps x 3.2 s (ms-swift's example)
+    (R235, [], 2, 503.0, 568.2, 104.4),                    # as shipped: 32.6 GiB per save
+    (R235, [ST, "run.persistent_dir=\"\""], 3, 554.1, None, 0.0),  # no persistent_dir: 3 kept + the 437.7 GiB export
 ])
 def test_budget(path, overrides, keep, local_gib, persistent_gib, publish_mib_s):
     b = budget_of(path, *overrides)

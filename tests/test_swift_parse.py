@@ -87,12 +87,17 @@ def test_megatron_recipes_parse(name, tmp_path):
     assert p["accumulate_allreduce_grads_in_fp32"] is True  # what estimate.py counts: an fp32 grad buffer
 
 
+@pytest.mark.parametrize("safetensors", [False, True], ids=["mcore_adapter", "adapters"])
 @pytest.mark.parametrize("name", sorted(LARGE))
-def test_megatron_export_parses(name, tmp_path):
-    """checkpoint.merge = "final": the export of the last checkpoint, parsed by MegatronExportArguments."""
+def test_megatron_export_parses(name, safetensors, tmp_path):
+    """checkpoint.merge = "final": the export of the last checkpoint, parsed by MegatronExportArguments. The
+    shipped recipes save no HF adapter (--save_safetensors false): the export reads the mcore shards."""
     r = large_recipe(name, tmp_path)
     assert r.checkpoint.merge == "final"
+    assert "--save_safetensors false" in " ".join(render_command(r, None, 29500).argv)
     ckpt = checkpoint(tmp_path / "out" / "checkpoint-100", ["all-linear"])
+    if safetensors:  # saved with checkpoint.save_safetensors = true
+        (ckpt / "adapter_model.safetensors").write_bytes(b"")
     # megatron sft's args.json, as far as `megatron export` reads it (load_args_config: the tuner's keys)
     (ckpt / "args.json").write_text(json.dumps({"model": None, "tuner_type": "lora", "lora_rank": 32,
                                                 "lora_alpha": 64, "target_modules": ["all-linear"]}))
@@ -102,7 +107,8 @@ def test_megatron_export_parses(name, tmp_path):
     assert "error" not in res, res.get("trace")
     assert res["remaining"] == []
     p = res["parsed"]
-    assert p["adapters"] == [str(ckpt)] and p["merge_lora"] is True and p["to_hf"] is True
+    assert p["adapters"] == ([str(ckpt)] if safetensors else []) and p["merge_lora"] is True and p["to_hf"] is True
+    assert p["mcore_adapter"] == (None if safetensors else str(ckpt))
     assert p["output_dir"] == str(staging) and p["world_size"] == r.parallel.nproc_per_node
     assert p["expert_model_parallel_size"] == r.parallel.expert
 

@@ -119,6 +119,11 @@ class CheckpointSection(_Section):
     # only last-checkpoint (moved once they are durable) then marks a save complete. Outside the hash.
     # With keep_optimizer = false ms-swift saves no shards and turns it off itself (nothing to overlap).
     async_save: bool = False
+    # megatron --save_safetensors: the HF adapter_model.safetensors at every save, beside the mcore shards that
+    # already hold the same LoRA weights (resume reads those). Unset: false for merge = "final" with
+    # keep_optimizer (the export merges from the mcore checkpoint: `megatron export --mcore_adapter`; at
+    # 397B that skips 28 GiB written synchronously per save), true otherwise. Outside the hash.
+    save_safetensors: bool | None = None
     keep_persistent: int = Field(default=3, gt=0)  # newest K published copies (plus the best-loss one)
     sync_interval_s: float = Field(default=300, gt=0)
     resume_loss_tolerance: float = Field(default=0.05, ge=0)  # relative; resume divergence check
@@ -146,6 +151,12 @@ class CheckpointSection(_Section):
         data["merge"] = "every_save" if old else "never"
         return data
 
+    def safetensors_every_save(self, backend: str) -> bool:
+        """Whether each save writes the HF adapter (megatron --save_safetensors; swift always does)."""
+        if backend != "megatron" or self.save_safetensors is not None:
+            return backend != "megatron" or bool(self.save_safetensors)
+        return not (self.merge == "final" and self.keep_optimizer)
+
     @property
     def merge_lora(self) -> bool:
         """The trainer's --merge_lora: a merged copy at every save."""
@@ -171,7 +182,11 @@ class SupervisorSection(_Section):
     force_wait_s: float = Field(default=120, ge=0)
     grace_s: float = Field(default=30, ge=0)          # SIGTERM -> SIGKILL
     nccl_settle_s: float = Field(default=30, ge=0)    # extra wait after nccl_* for IPC cleanup
-    hang_timeout_s: float = Field(default=1800, gt=0)
+    hang_timeout_s: float = Field(default=1800, gt=0)   # "adaptive": the upper bound; "fixed": the timer
+    # "adaptive": once an attempt has shown its pace (10 step gaps and a save), no new step for 5 x its longest
+    # gap (at least hang_floor_s) is a hang (policy.hang_timeout); "fixed": hang_timeout_s throughout.
+    hang: Literal["adaptive", "fixed"] = "adaptive"
+    hang_floor_s: float = Field(default=300, gt=0)
     startup_timeout_s: float = Field(default=3600, gt=0)
     max_crashes_per_hour: int = Field(default=3, gt=0)
     max_relaunches_without_progress: int = Field(default=5, gt=0)
@@ -316,6 +331,17 @@ def combination_problems(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
             out.append((("checkpoint.async_save", "checkpoint.save_total_limit"), "ms-swift refuses --async_save with "
                         "--save_total_limit; unset checkpoint.save_total_limit (checkpoint.keep_local prunes "
                         "verified copies instead) or set checkpoint.async_save = false"))
+    c = r.checkpoint
+    if c.save_safetensors is False:
+        why = ("the sft's only copy of the adapter is then the mcore checkpoint: needs run.backend = \"megatron\""
+               if r.run.backend != "megatron" else
+               "merge = \"every_save\" writes its merged copy only with --save_safetensors true"
+               if c.merge == "every_save" else
+               "keep_optimizer = false resumes from the HF adapter (--adapters), which is then not written"
+               if not c.keep_optimizer else None)
+        if why:
+            out.append((("checkpoint.save_safetensors",), f"false: {why}; remove the key (its default fits the "
+                                                          f"recipe) or set it to true"))
     for key, v in r.extra_args.items():
         problem = flags.check_extra_arg(r.run.backend, key)
         if problem:

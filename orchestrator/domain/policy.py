@@ -80,6 +80,32 @@ def rebuild_history(attempts: list[Attempt], good_steps: set[int]) -> History:
     return h
 
 
+# Adaptive hang timer (supervisor.hang = "adaptive"): NVRx's learned timeouts, per attempt. Its safety factor.
+HANG_SAFETY = 5.0
+HANG_MIN_GAPS = 10   # step-to-step gaps an attempt must show before its own pace sets the timer
+
+
+def hang_timeout(cfg: SupervisorSection, longest_gap_s: float, gaps: int, saves: int,
+                 evals_apart: bool = False) -> tuple[float, str]:
+    """The hang timer for the running attempt, and why. "adaptive": HANG_SAFETY x the longest gap between two
+    step records the attempt has shown (a save, an evaluation, a slow logging interval are in it), clamped to
+    [hang_floor_s, hang_timeout_s], once it has shown HANG_MIN_GAPS gaps and lived through a save (the longest
+    regular pause); until then, and for "fixed", hang_timeout_s. A hang then costs minutes, not half an hour.
+    `evals_apart`: the recipe evaluates on its own schedule (extra_args.eval_steps), so a save is not where
+    the longest pause shows: hang_timeout_s (ms-swift evaluates at every save by default)."""
+    bound = cfg.hang_timeout_s
+    if cfg.hang == "fixed":
+        return bound, "hang = fixed"
+    if evals_apart:
+        return bound, "hang_timeout_s: extra_args.eval_steps evaluates apart from saves (not in the attempt's pace)"
+    if gaps < HANG_MIN_GAPS or saves < 1:
+        return bound, (f"hang_timeout_s until the attempt shows {HANG_MIN_GAPS} step gaps and a save "
+                       f"({gaps} gaps, {saves} saves so far)")
+    t = min(bound, max(cfg.hang_floor_s, HANG_SAFETY * longest_gap_s))
+    return t, (f"{HANG_SAFETY:g} x the longest step gap of this attempt ({longest_gap_s:.0f} s over {gaps} gaps, "
+               f"{saves} saves) within [hang_floor_s = {cfg.hang_floor_s:.0f}, hang_timeout_s = {bound:.0f}]")
+
+
 def hang_verdict(now: float, launched_at: float, last_step_at: float | None,
                  hang_timeout_s: float, startup_timeout_s: float) -> str | None:
     """No new step for hang_timeout_s once training started, or none for startup_timeout_s."""
@@ -88,7 +114,7 @@ def hang_verdict(now: float, launched_at: float, last_step_at: float | None,
             return f"no training step within startup_timeout_s = {startup_timeout_s:.0f} s of launch"
         return None
     if now - last_step_at > hang_timeout_s:
-        return f"no new training step for {now - last_step_at:.0f} s (hang_timeout_s = {hang_timeout_s:.0f})"
+        return f"no new training step for {now - last_step_at:.0f} s (hang timer {hang_timeout_s:.0f} s)"
     return None
 
 

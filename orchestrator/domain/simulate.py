@@ -6,7 +6,9 @@ of crashes, hangs, stale GPU holders and rendezvous-port collisions. Two ways of
   orchestrator   this package's recovery: the real `orchestrator.domain.policy.decide` (per-class waits:
                  wait_s, + nccl_settle_s for nccl_*, port_in_use relaunched at once on a fresh port,
                  crash-loop backoff, give-up after max_relaunches_without_progress or NaN twice),
-                 hang detection after hang_timeout_s (then SIGTERM, grace_s, SIGKILL), NaN stop,
+                 hang detection after the hang timer (policy.hang_timeout: the attempt's longest step gap,
+                 a step plus a save, x 5 within [hang_floor_s, hang_timeout_s] once it has shown 10 gaps and
+                 a save; hang_timeout_s before), then SIGTERM, grace_s, SIGKILL; NaN stop,
                  GPU verification before every launch (kill own leftovers, force_wait_s, then
                  exponential backoff; never launch onto busy GPUs) and a fresh rendezvous port per
                  launch. A give-up (exit 3) costs `gave_up_response_s` until a person restarts it.
@@ -46,7 +48,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from orchestrator.domain.interval import Evidence, choose
-from orchestrator.domain.policy import History, decide, next_history
+from orchestrator.domain.policy import History, decide, hang_timeout, next_history
 from orchestrator.config.schema import SupervisorSection
 from orchestrator.types import Action, Crash, CrashClass, Phase
 
@@ -292,8 +294,8 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
         clk.charge("lost_progress", (crash_step - new_ckpt + rng.random()) * dt)
         saved_since_launch = new_ckpt > ckpt
         if cls is CrashClass.NCCL_TIMEOUT_HANG:
-            if orch:  # no new step for hang_timeout_s; stacks; SIGTERM, grace_s, SIGKILL
-                clk.charge("hang", cfg.hang_timeout_s)
+            if orch:  # no new step within the hang timer (policy.hang_timeout); stacks; SIGTERM, grace_s, SIGKILL
+                clk.charge("hang", hang_timeout(cfg, dt + save_cost(k), steps - 1, saves)[0])
                 clk.charge("cleanup", sc.stack_dump_s + cfg.grace_s + sc.exit_s)
             else:     # until a person notices and kills it
                 clk.charge("hang", sc.plain_hang_s)

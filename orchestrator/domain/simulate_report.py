@@ -7,10 +7,10 @@ plain loop: the field's exact procedure: the merged copy at every save, every 10
 no hang detection.
 
 checkpoint.async_save (megatron --async_save; ms-swift 4.6 megatron/trainers/base.py save_checkpoint): the
-save stops training for the adapter safetensors (bridge.save_weights, synchronous; the merged copy too
-with merge = "every_save") at the write speed, plus each rank's copy of its mcore shard bytes to host
-memory (megatron-core's async preload: the shards are staged in CPU memory, then a forked process writes
-them) at D2H_BYTES_PER_S. The write of the shards runs in the background (bytes / write speed): a save is
+save stops training for the adapter safetensors when they are written (bridge.save_weights, synchronous;
+the merged copy too with merge = "every_save") at the write speed, plus each rank's copy of its mcore shard
+bytes to host memory (megatron-core's async preload: the shards are staged in CPU memory, then a forked
+process writes them) at D2H_BYTES_PER_S. The write of the shards runs in the background (bytes / write speed): a save is
 a resume point only once it is done, and the next save waits for it (a floor on the interval). Not
 modelled: the save's planning collectives (seconds) and what the background writer takes from the CPUs.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from orchestrator.config.schema import SupervisorSection
 from orchestrator.domain.interval import D2H_BYTES_PER_S, DEFAULT_WRITE_BYTES_PER_S, save_seconds
 from orchestrator.domain.simulate import FIELD, HARSH, HOUR, LOOPS, TRAINING_CLASSES, Scenario, Summary, compare, simulate
 
@@ -25,11 +26,12 @@ MIXES = {"field": FIELD, "harsh": HARSH}
 
 GIB = 2**30
 # The storage budget (storage.py) of the shipped recipes/qwen3.5-397b-a17b-lora-ep8.toml (rank 32,
-# keep_optimizer, merge = "final"): adapter 28.3 GiB + mcore shards 145.6 GiB (+ 0.5 MiB RNG/scheduler) per
-# save, and the merged model, 739.5 GiB, exported once after the last step. The field's command merges at
-# every save: both. tests/test_simulate.py checks these against storage.budget of the shipped recipe.
-ADAPTER_BYTES = 30_440_202_240           # adapter_model.safetensors: written synchronously
-ORCH_SAVE_BYTES = 186_737_819_648        # + mcore shards and RNG/scheduler state: the background part
+# keep_optimizer, merge = "final", so no HF adapter per save): mcore shards 145.6 GiB (+ 0.5 MiB
+# RNG/scheduler) per save, and the merged model, 739.5 GiB, exported once after the last step. The field's
+# command writes the adapter safetensors (28.3 GiB) and the merged copy at every save as well.
+# tests/test_simulate.py checks these against storage.budget of the shipped recipe.
+ADAPTER_BYTES = 30_440_202_240           # adapter_model.safetensors: written synchronously (the field's saves)
+ORCH_SAVE_BYTES = 156_297_617_408        # mcore shards and RNG/scheduler state: the background part
 MERGED_BYTES = 794_000_000_000
 RANKS = 8                                # the shipped recipe's GPUs: each stages its share of the shards
 # Device-to-host copy rate per GPU for the async save's staging, 10 GB/s: a conservative figure. An H100/H200
@@ -46,11 +48,11 @@ class Inputs:
     """What `orchestrator simulate` prices, stated next to every result."""
 
     orch_save_bytes: float = ORCH_SAVE_BYTES        # per save, the orchestrator's recipe
-    orch_sync_bytes: float = ADAPTER_BYTES          # of which written before training goes on, async or not
+    orch_sync_bytes: float = 0.0                    # of which written before training goes on, async or not
     async_save: bool = True                         # the shipped recipe's checkpoint.async_save
     ranks: int = RANKS
     orch_final_bytes: float = MERGED_BYTES          # merge = "final": the one export; 0 otherwise
-    plain_save_bytes: float = ORCH_SAVE_BYTES + MERGED_BYTES  # the field's command: merged copy at every save
+    plain_save_bytes: float = ADAPTER_BYTES + ORCH_SAVE_BYTES + MERGED_BYTES  # the field's command: all at every save
     write_bytes_per_s: float = float(DEFAULT_WRITE_BYTES_PER_S)  # the plan's default (interval.py)
     save_steps: int | str = "auto"                  # the orchestrator's
     plain_save_steps: int = 100
@@ -59,6 +61,7 @@ class Inputs:
     startup_s: float = 480.0
     startup_ratio: float = DEFAULT_STARTUP_RATIO
     crash_rate_per_h: float | None = None           # None: the mix's own rates
+    hang: str = "adaptive"                          # supervisor.hang: the orchestrator's hang timer
     source: str = "shipped qwen3.5-397b-a17b-lora-ep8 recipe"
 
     def as_dict(self) -> dict:
@@ -113,8 +116,8 @@ def priced(mix: Scenario, i: Inputs = Inputs()) -> Scenario:
 
 def ett_report(mix: Scenario, i: Inputs = Inputs(), seeds: int = 200) -> dict:
     """`orchestrator simulate --json`: both loops over the same seeds, with every input."""
-    sc = priced(mix, i)
-    c = compare(sc, range(seeds))
+    sc, cfg = priced(mix, i), SupervisorSection(hang=i.hang)
+    c = compare(sc, range(seeds), cfg)
 
     def loop(sm: Summary, results_intervals: list[int] | None) -> dict:
         d = {"ett": round(sm.ratio, 4), "ett_min": round(sm.ratio_min, 4), "ett_max": round(sm.ratio_max, 4),
@@ -126,7 +129,7 @@ def ett_report(mix: Scenario, i: Inputs = Inputs(), seeds: int = 200) -> dict:
                                         "max": max(results_intervals)}
         return d
 
-    firsts = [simulate(sc, "orchestrator", s).intervals for s in range(min(seeds, 20))]
+    firsts = [simulate(sc, "orchestrator", s, cfg).intervals for s in range(min(seeds, 20))]
     flat = [k for run in firsts for k in run]
     return {"mix": mix.name, "seeds": seeds, "orchestrator": loop(c["orchestrator"], flat),
             "plain": loop(c["plain"], None),

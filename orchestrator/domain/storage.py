@@ -3,7 +3,8 @@ bytes retention keeps, and the copy bandwidth publishing needs. Pure (plan.py me
 
 Sizes come from the model's config (a HF config.json, or estimate.KNOWN_CONFIGS) and the LoRA shapes:
 - adapter: `adapter_model.safetensors` (PEFT, HF module names: an expert's gate/up/down are 3 matrices,
-  linear_qkv is q/k/v_proj, each with its own copy of A),
+  linear_qkv is q/k/v_proj, each with its own copy of A), unless megatron saves without it
+  (checkpoint.save_safetensors false, the default with merge = "final"),
   rank x (in + out) parameters per adapted matrix, in the model dtype;
 - mcore_shards (megatron, unless keep_optimizer = false, i.e. --no_save_optim): the torch_dist shards
   hold the LoRA weights in megatron-core's fused layout (linear_fc1 = gate+up, linear_qkv) in the model
@@ -107,7 +108,7 @@ def per_save_parts(r: Recipe, cfg: Mapping, total_bytes: int | None = None) -> d
     wbytes = _DTYPE_BYTES[r.model.torch_dtype]
     lora, c = r.lora, r.checkpoint
     hf = lora_params(cfg, lora.rank, lora.target_modules, "hf")
-    parts = {"adapter": hf * wbytes}
+    parts = {"adapter": hf * wbytes} if c.safetensors_every_save(r.run.backend) else {}
     if c.keep_optimizer:  # --no_save_optim / --no_save_rng (megatron), --save_only_model (swift) otherwise
         if r.run.backend == "megatron":
             parts["mcore_shards"] = lora_params(cfg, lora.rank, lora.target_modules, "mcore") * (wbytes + ADAM_FP32_BYTES)

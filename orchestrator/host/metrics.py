@@ -156,6 +156,8 @@ class Metrics:
         self._startup_s = gauge("orchestrator_startup_seconds", "Seconds from the last launch to its first step.")
         self._save_interval = gauge("orchestrator_save_interval_steps",
                                     "Checkpoint interval of the running attempt, steps (chosen when save_steps = auto).")
+        self._hang_timer = gauge("orchestrator_hang_timeout_seconds",
+                                 "The running attempt's hang timer: no new step for this long is a hang.")
         self._lost = _LostSeconds()
         r.register(self._lost)
         self._alert = gauge("orchestrator_alert_active", "1 while the supervisor raises this alert.",
@@ -251,6 +253,9 @@ class Metrics:
 
     def save_interval(self, steps: int) -> None:
         self._save_interval.set(steps)
+
+    def hang_timer(self, seconds: float) -> None:
+        self._hang_timer.set(seconds)
 
     def checkpoint_invalid(self) -> None:
         self._ckpt_invalid.inc()

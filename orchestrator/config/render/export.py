@@ -1,9 +1,13 @@
 """The final merge of checkpoint.merge = "final": (recipe, checkpoint, output dir, port) -> the ms-swift
-export Command. Pure, except that render_export reads the model's config.json (for its MTP layers).
+export Command. Pure, except that it reads the model's config.json (for its MTP layers) and looks for
+the checkpoint's adapter_model.safetensors (which adapter argument).
 
 megatron: `megatron export --adapters <ckpt> --merge_lora true --to_hf true`: the checkpoint's
-adapter_model.safetensors (the sft renders --save_safetensors true) merged into the HF weights by
-mcore-bridge, on the same layout as training (the model only fits the GPUs that way).
+adapter_model.safetensors merged into the HF weights by mcore-bridge, on the same layout as training (the
+model only fits the GPUs that way); a checkpoint saved without it (--save_safetensors false, the default
+for merge = "final") is read from its mcore shards instead: `--mcore_adapter <ckpt>` (ms-swift 4.6
+export.py loads the HF base, then load_mcore_checkpoint(load_arg='mcore_adapter'), without optimizer
+state: _init_convert sets no_load_optim / no_load_rng).
 swift: `swift export --adapters <ckpt> --merge_lora true` (peft's merge_and_unload, then save_pretrained).
 
 Both refuse an existing output_dir unless --exist_ok: a relaunch after a failed export writes again into
@@ -21,6 +25,8 @@ mtp_num_hidden_layers. When the training did train MTP (extra_args.mtp_num_layer
 passed so its MTP LoRA is merged. The swift backend (peft merge in transformers) drops mtp.* on load.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 from orchestrator.config.estimate import known_config
 from orchestrator.config.recipe import Recipe, read_model_config
@@ -48,9 +54,11 @@ def mtp_layers(r: Recipe, model_config: dict | None) -> int | None:
 def export_arguments(r: Recipe, checkpoint: str, output_dir: str, model_config: dict | None = None) -> list[str]:
     """`model_config`: the model's config.json (its MTP layer count), when known."""
     m, p = r.model, r.parallel
+    hf_adapter = r.run.backend != "megatron" or (Path(checkpoint) / "adapter_model.safetensors").is_file()
     pairs: list[tuple[str, object]] = [
         ("model", m.path), ("model_type", m.model_type), ("torch_dtype", m.torch_dtype),
-        ("adapters", checkpoint), ("merge_lora", True), ("output_dir", output_dir), ("exist_ok", True),
+        ("adapters" if hf_adapter else "mcore_adapter", checkpoint), ("merge_lora", True),
+        ("output_dir", output_dir), ("exist_ok", True),
     ]
     if r.run.backend == "megatron":
         pairs += [("to_hf", True), ("test_convert_precision", False),  # a precision test doubles the memory

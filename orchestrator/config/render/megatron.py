@@ -44,7 +44,9 @@ def arguments(r: Recipe, resume: Resume | None, save_steps: int | None = None) -
         ("lr", o.lr), ("min_lr", o.min_lr), ("lr_warmup_fraction", o.warmup_fraction), ("seed", o.seed),
         ("output_dir", r.run.output_dir), ("add_version", False), ("check_model", False),
         ("save_steps", chosen_save_steps(r, save_steps)), ("logging_steps", c.logging_steps),
-        ("save_safetensors", True), ("merge_lora", c.merge == "every_save"),  # "final": exported after training
+        # merge "final" + keep_optimizer: no HF adapter per save (the mcore shards hold it; the export reads them)
+        ("save_safetensors", c.safetensors_every_save("megatron")),
+        ("merge_lora", c.merge == "every_save"),  # "final": exported after training
         ("no_save_optim", not c.keep_optimizer), ("no_save_rng", not c.keep_optimizer),
         ("save_total_limit", c.save_total_limit), ("ddp_timeout", p.ddp_timeout_s),
         # the shards written in the background; complete once last-checkpoint names it (store/checkpoints.py)
