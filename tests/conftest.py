@@ -77,6 +77,19 @@ def write_recipe_in_tmp_path(tmp_path):
     return functools.partial(write_recipe, tmp_path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _node_state_dir_session(tmp_path_factory):
+    """Module-scoped fixtures (a finished run shared by a module's tests) run supervisors before the per-test
+    fixture below: their node history goes to a temporary directory too, never the machine's."""
+    old = os.environ.get("ORCHESTRATOR_NODE_STATE_DIR")
+    os.environ["ORCHESTRATOR_NODE_STATE_DIR"] = str(tmp_path_factory.mktemp("node-state-session"))
+    yield
+    if old is None:
+        os.environ.pop("ORCHESTRATOR_NODE_STATE_DIR", None)
+    else:
+        os.environ["ORCHESTRATOR_NODE_STATE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _node_state_dir(tmp_path_factory, monkeypatch):
     """Every test's supervisors keep their node history (node_history.py) in a temporary directory, never ~."""
