@@ -153,8 +153,10 @@ class CheckpointSection(_Section):
 
     def safetensors_every_save(self, backend: str) -> bool:
         """Whether each save writes the HF adapter (megatron --save_safetensors; swift always does)."""
-        if backend != "megatron" or self.save_safetensors is not None:
-            return backend != "megatron" or bool(self.save_safetensors)
+        if backend != "megatron":
+            return True
+        if self.save_safetensors is not None:
+            return self.save_safetensors
         return not (self.merge == "final" and self.keep_optimizer)
 
     @property

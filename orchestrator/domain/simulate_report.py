@@ -10,9 +10,10 @@ checkpoint.async_save (megatron --async_save; ms-swift 4.6 megatron/trainers/bas
 save stops training for the adapter safetensors when they are written (bridge.save_weights, synchronous;
 the merged copy too with merge = "every_save") at the write speed, plus each rank's copy of its mcore shard
 bytes to host memory (megatron-core's async preload: the shards are staged in CPU memory, then a forked
-process writes them) at D2H_BYTES_PER_S. The write of the shards runs in the background (bytes / write speed): a save is
-a resume point only once it is done, and the next save waits for it (a floor on the interval). Not
-modelled: the save's planning collectives (seconds) and what the background writer takes from the CPUs.
+process writes them) at D2H_BYTES_PER_S. The write of the shards runs in the background (bytes / write
+speed): a save is a resume point only once it is done, and the next save waits for it (a floor on the
+interval). Not modelled: the save's planning collectives (seconds) and what the background writer takes
+from the CPUs.
 """
 from __future__ import annotations
 
