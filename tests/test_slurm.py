@@ -186,15 +186,22 @@ def test_two_node_swift_run_completes(cluster, allocation, tiny, tmp_path):
         "no step of the run is left"
 
 
-@swift
-def test_node_two_sigkilled_kills_node_one_and_resumes_from_the_last_checkpoint(cluster, allocation, tiny, tmp_path):
-    sup = Supervisor(two_node_recipe(tiny, tmp_path), install_signals=False)
-    killed: list[int] = []
-    at_step_on_node_two(sup, 6, signal.SIGKILL, killed)
+def node_two_signalled(sig: signal.Signals, tiny, tmp_path: Path, *overrides: str):
+    """A 2-node run whose node-2 trainer gets `sig` at step 6, supervised to completion in two attempts.
+    Returns (supervisor, the pids signalled, the attempts)."""
+    sup = Supervisor(two_node_recipe(tiny, tmp_path, *overrides), install_signals=False)
+    pids: list[int] = []
+    at_step_on_node_two(sup, 6, sig, pids)
     assert sup.run() == ExitCode.OK
-    assert killed, "node 2's trainer was found and killed"
+    assert pids, f"node 2's trainer was found and sent {sig.name}"
     runs = attempts(tmp_path / "out")
     assert len(runs) == 2 and runs[1].cls is None
+    return sup, pids, runs
+
+
+@swift
+def test_node_two_sigkilled_kills_node_one_and_resumes_from_the_last_checkpoint(cluster, allocation, tiny, tmp_path):
+    sup, _, runs = node_two_signalled(signal.SIGKILL, tiny, tmp_path)
     assert runs[0].node == "n2", "srun named node 2's task as the first to fail"
     assert runs[0].cls is not None
     srun_log = Path(runs[0].log_path).read_text()
@@ -215,13 +222,7 @@ def test_node_two_sigstopped_is_a_hang_the_step_is_cancelled_and_the_run_resumes
     """Node 2 stops (SIGSTOP: no exit, no srun line); rank 0 blocks in its next collective, so its progress
     stops: a hang after hang_timeout_s. The step is cancelled through Slurm (TERM + CONT: a stopped task
     handles TERM only once continued), gone from `squeue -s` before the relaunch, which completes."""
-    sup = Supervisor(two_node_recipe(tiny, tmp_path, "supervisor.hang_timeout_s=8"), install_signals=False)
-    stopped: list[int] = []
-    at_step_on_node_two(sup, 6, signal.SIGSTOP, stopped)
-    assert sup.run() == ExitCode.OK
-    assert stopped, "node 2's trainer was found and stopped"
-    runs = attempts(tmp_path / "out")
-    assert len(runs) == 2 and runs[1].cls is None
+    sup, stopped, runs = node_two_signalled(signal.SIGSTOP, tiny, tmp_path, "supervisor.hang_timeout_s=8")
     assert runs[0].cls is CrashClass.NCCL_TIMEOUT_HANG and runs[0].hang_detected_at is not None
     cancel = sup.host.cancels[0]
     assert len(cancel.steps) == 1 and cancel.steps[0].startswith(f"{allocation}.")

@@ -48,6 +48,16 @@ def wait_job_done(cluster, job: str, timeout_s: float) -> str:
     return job_field(cluster, job, "JobState")
 
 
+def completed_attempts(out: Path) -> list:
+    """The run's attempts, once its journal says it completed."""
+    j = journal(out)
+    try:
+        assert j.get_all()["state"] == "completed"
+        return j.attempts()
+    finally:
+        j.close()
+
+
 def submit(cluster, tmp_path: Path, recipe: Path, env: dict) -> str:
     """The script `orchestrator sbatch` writes, less --gpus-per-node (the test cluster has no GPU gres)."""
     text = sbatch.script(load(recipe), recipe, ())
@@ -77,12 +87,7 @@ def test_a_node_whose_gpus_stay_busy_is_excluded_and_the_job_requeues_and_comple
     excluded = events(out, "node_excluded")
     assert [e["data"]["node"] for e in excluded] == ["n2", "n2"], excluded   # decided, then requeued
     assert "n2: GPU 0" in " ".join(e["message"] for e in events(out, "gpus_not_clear"))
-    j = journal(out)
-    try:
-        assert j.get_all()["state"] == "completed"
-        runs = j.attempts()
-    finally:
-        j.close()
+    runs = completed_attempts(out)
     assert len(runs) == 1 and runs[0].cls is None, "nothing was launched onto n2; one attempt on n1 and n3"
 
 
@@ -120,12 +125,7 @@ def test_the_supervisor_killed_with_9_is_requeued_resumes_and_stops_nothing_of_a
         assert "the supervisor died of signal 9; requeueing" in log
         assert job_field(cluster, job, "Restarts") == "1"
         assert job_field(cluster, other, "JobState") == "RUNNING", "the other job was not touched"
-        j = journal(out)
-        try:
-            assert j.get_all()["state"] == "completed"
-            runs = j.attempts()
-        finally:
-            j.close()
+        runs = completed_attempts(out)
         assert len(runs) >= 2 and runs[-1].cls is None and runs[-1].resumed_from, runs
     finally:
         cluster.run("scancel", other, check=False)
