@@ -46,9 +46,9 @@ class RunLifecycle:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         self._stop_predecessor()
         # the sidecar starts below, after any quarantine, so it never publishes a poisoned checkpoint
-        self.checkpoints = CheckpointTracker(r, self.hash, self.out, self.journal, self.metrics,
-                                          on_saved=lambda: self.sidecar.trigger())
         self.sidecar = Publisher(r, self.hash, self.journal, self.metrics)
+        self.checkpoints = CheckpointTracker(r, self.hash, self.out, self.journal, self.metrics,
+                                             on_saved=self.sidecar.trigger, in_flight=self.sidecar.in_flight)
         previous = self.journal.get_all()
         pending = previous.get("nan_pending")
         if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now

@@ -75,7 +75,7 @@ def check_storage(r: Recipe, b: storage.StorageBudget, disks: dict[str, dict]) -
     if "mcore_shards" in b.per_save_bytes or "optimizer" in b.per_save_bytes:
         fixes.append("set checkpoint.keep_optimizer = false (weights-only resume)")
     keep_local = [f"lower checkpoint.keep_local (now {b.keep_local})"] if b.keep_local > 1 else []
-    fixes_for = {"output_dir": [*keep_local, *fixes, "raise checkpoint.save_steps (fewer copies waiting to be published)"],
+    fixes_for = {"output_dir": [*keep_local, *fixes],
                  "persistent_dir": [f"lower checkpoint.keep_persistent (now {c.keep_persistent})", *fixes]}
     need = {"output_dir": b.local_bytes, "persistent_dir": b.persistent_bytes}
     per_save = sum(b.per_save_bytes.values())
@@ -86,7 +86,9 @@ def check_storage(r: Recipe, b: storage.StorageBudget, disks: dict[str, dict]) -
             continue
         avail = d["free_bytes"] + d["held_bytes"]
         held = f" + {storage.gib(d['held_bytes'])} in this run's checkpoints" if d["held_bytes"] else ""
-        what = (f"{b.keep_local} kept + 1 being written, {storage.gib(per_save)} per save" if name == "output_dir"
+        publishing = " + 1 being published" if r.run.persistent_dir else ""
+        what = (f"{b.keep_local} kept + 1 being written{publishing}, {storage.gib(per_save)} per save"
+                if name == "output_dir"
                 else f"{c.keep_persistent} newest + the best-loss copy")
         if b.final_merged_bytes:
             what += f"; the final merged export {storage.gib(b.final_merged_bytes)}"
@@ -99,14 +101,18 @@ def check_storage(r: Recipe, b: storage.StorageBudget, disks: dict[str, dict]) -
 
 
 def check_publish(r: Recipe, b: storage.StorageBudget, write_bytes_per_s: float | None, probe: str) -> Check:
-    """A warning: publishing slower than saves arrive piles unpublished copies up on the local disk."""
+    """A warning: publishing slower than its cadence leaves the published copy further behind (what losing
+    the node would cost)."""
     need, speed = b.publish_bytes_per_s, write_bytes_per_s or 0.0
     wrote = f"wrote {speed / 2**20:,.0f} MiB/s" if write_bytes_per_s else f"not measured: {probe}"
-    detail = (f"{storage.gib(b.published_per_save_bytes)} per save every {b.save_interval_s / 60:.0f} min "
-              f"({round(b.save_interval_s / b.step_time_s)} steps x {b.step_time_s:g} s, {b.step_time_source}) needs "
-              f"{need / 2**20:,.0f} MiB/s; {r.run.persistent_dir} {wrote}")
+    cadence = (f"a save every {b.save_interval_s / 60:.0f} min ({round(b.save_interval_s / b.step_time_s)} steps x "
+               f"{b.step_time_s:g} s, {b.step_time_source})")
+    if b.publish_every_s > b.save_interval_s:
+        cadence = f"the newest save every {b.publish_every_s / 60:.0f} min (checkpoint.publish_interval_s)"
+    detail = (f"publishing {storage.gib(b.published_per_save_bytes)}, {cadence}, needs {need / 2**20:,.0f} MiB/s; "
+              f"{r.run.persistent_dir} {wrote}")
     ok = speed >= need
-    return Check("publish_throughput", ok, detail if ok else f"{detail}: raise checkpoint.save_steps, set "
+    return Check("publish_throughput", ok, detail if ok else f"{detail}: raise checkpoint.publish_interval_s, set "
                  "checkpoint.merge = \"final\" or \"never\", or use faster persistent storage", fatal=False)
 
 

@@ -340,9 +340,11 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
         self._scan_checkpoints(force=True)
 
     def _quarantine(self, nan_step: int, attempt_n: int) -> None:
-        """Published copies first (a restore must never take one), then the local ones (clears nan_pending)."""
-        self.sidecar.quarantine(nan_step, attempt_n)
+        """Local copies first (no round can publish one again), then the published ones (under the sync lock);
+        nan_pending cleared only after both: a supervisor killed in between redoes them before any restore."""
         self.checkpoints.quarantine(nan_step, attempt_n)
+        self.sidecar.quarantine(nan_step, attempt_n)
+        self.journal.put(nan_pending=None)
 
     def _launch_state(self) -> State:
         return State.RELAUNCHING if self.attempt else State.LAUNCHING
@@ -366,7 +368,7 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
         out, min_free = self.recipe.run.output_dir, self.recipe.supervisor.min_free_gib
         need = self.save_gib or min_free
         free = self.host.free_gib(out)
-        if self.checkpoints.prune(self.keep_local, pressure=free < need):
+        if self.checkpoints.prune(self.keep_local, pressure=free < need, trusted_through=self.attempt.clean_through):
             free = self.host.free_gib(out)
         if free < min(need, min_free):
             return (f"{out}: {free:.3g} GiB free, the next save needs ~{need:.3g} GiB and nothing more can be "

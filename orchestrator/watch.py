@@ -76,6 +76,11 @@ class AttemptWatch:
     def good_step_at_launch(self) -> int:
         return self.resume.step if self.resume else -1
 
+    @property
+    def clean_through(self) -> int:
+        """The last step read without a NaN: a save after it may hold poisoned weights (retention waits)."""
+        return self.bad_step - 1 if self.bad else self.last.step if self.last else self.good_step_at_launch
+
     def gather(self, now: float, mono: float, drain: bool = False) -> list[Progress]:
         """Read what is new; returns the new step records (stdout first, then logging.jsonl)."""
         fresh: list[Progress] = []

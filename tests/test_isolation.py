@@ -70,17 +70,20 @@ def test_publish_dir_is_run_name_and_hash8(tmp_path):
 
 def test_sync_never_overwrites_or_prunes_a_copy_of_another_hash(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
-    for s in (10, 20, 30, 40):
-        make_swift(out, s)
     foreign = tmp_path / "other"
-    make_swift(foreign, 10, loss=0.1)
     make_swift(foreign, 5)
     assert sync.sync_once(foreign, pers, "swift", "other-hash").ok
+    make_swift(foreign, 10, loss=0.1)
+    assert sync.sync_once(foreign, pers, "swift", "other-hash").ok
     before = snapshot(pers / "checkpoint-10") | {"5": snapshot(pers / "checkpoint-5")}
-    r = sync.sync_once(out, pers, "swift", "mine", keep=5)
-    assert [p for p in r.problems if "not this run's copy" in p] == [
+    rounds = []
+    for s in (10, 20, 30, 40):  # a round after each save
+        make_swift(out, s)
+        rounds.append(sync.sync_once(out, pers, "swift", "mine", keep=5))
+    assert [p for p in rounds[0].problems if "not this run's copy" in p] == [
         sync.foreign_problem(pers / "checkpoint-10", mf.read_manifest(pers / "checkpoint-10"), "mine")]
-    assert set(r.copied) == {"checkpoint-20", "checkpoint-30", "checkpoint-40"} and not r.synced
+    assert not rounds[0].synced and [r.copied for r in rounds] == [(), ("checkpoint-20",), ("checkpoint-30",),
+                                                                    ("checkpoint-40",)]
     r = sync.sync_once(out, pers, "swift", "mine", keep=1)  # prunes its own copies down to one
     assert set(r.deleted) == {"checkpoint-20", "checkpoint-30"}, "another run's old steps are not this run's to prune"
     assert snapshot(pers / "checkpoint-10") | {"5": snapshot(pers / "checkpoint-5")} == before
@@ -91,9 +94,10 @@ def test_sync_never_overwrites_or_prunes_a_copy_of_another_hash(tmp_path):
 def test_local_checkpoint_of_another_hash_is_not_published(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     mf.write_manifest(make_swift(out, 10), 10, "old")  # saved before run.on_drift = "resume" changed the recipe
-    make_swift(out, 20)
     r = sync.sync_once(out, pers, "swift", "new")
-    assert r.copied == ("checkpoint-20",) and any("checkpoint-10: its manifest names recipe old" in s for s in r.skipped)
+    assert r.copied == () and any("checkpoint-10: its manifest names recipe old" in s for s in r.skipped)
+    make_swift(out, 20)
+    assert sync.sync_once(out, pers, "swift", "new").copied == ("checkpoint-20",)
 
 
 # ------------------------------------------------------------------------------------------ the publisher lock
@@ -252,6 +256,10 @@ def test_published_copies_from_a_nan_on_are_quarantined_and_never_restored(tmp_p
     recipe = fake_recipe(tmp_path, iterations=30, state=False)
     assert supervise(recipe, "checkpoint.keep_local=5")[0] == ExitCode.OK
     r = load(recipe)
+    for step in (10, 20):  # what rounds after each save publish (this fake run saves faster than rounds copy)
+        view = tmp_path / f"view-{step}"
+        shutil.copytree(tmp_path / "out" / f"checkpoint-{step}", view / f"checkpoint-{step}", symlinks=True)
+        assert sync.sync_once(view, published_at(recipe), r.run.backend, recipe_hash(r)).copied == (f"checkpoint-{step}",)
     j = Journal(journal_path(state_dir(tmp_path / "out")))
     try:
         pub = Publisher(r, recipe_hash(r), j, Metrics())

@@ -8,7 +8,6 @@ from orchestrator.config import recipe as R
 from orchestrator.config import flags
 from orchestrator.config.render import command
 from orchestrator.config.render.argv import flags as argv_flags, value as argv_value
-from orchestrator.config.render.command import render_command
 from orchestrator.types import Resume
 
 FRESH = None
@@ -16,6 +15,13 @@ RESUME = Resume("/ckpt/checkpoint-200", 200)
 WEIGHTS = Resume("/ckpt/checkpoint-200", 200, weights_only=True)
 RESUMES = {"fresh": FRESH, "resume": RESUME, "weights": WEIGHTS}
 EXE = {"megatron": "megatron", "swift": "swift"}
+
+
+def render_command(r, resume, port, save_steps=None):
+    """One launch's command; a save_steps = "auto" recipe (the shipped large ones) with an interval chosen as
+    the supervisor would (10: what `plan` starts the 397B recipe with)."""
+    chosen = save_steps or (10 if r.checkpoint.save_steps == "auto" else None)
+    return command.render_command(r, resume, port, chosen)
 
 
 def args_after_sft(argv) -> list[str]:
@@ -88,7 +94,7 @@ def test_always_explicit(shipped, name, resume):
     assert opts["output_dir"] == [r.run.output_dir]
     assert opts["model"] == [r.model.path]
     assert opts["dataset"] == r.data.dataset
-    assert opts["save_steps"] == [str(r.checkpoint.save_steps)]
+    assert opts["save_steps"] == ["10" if r.checkpoint.save_steps == "auto" else str(r.checkpoint.save_steps)]
     if r.run.backend == "megatron":
         assert opts["merge_lora"] == [str(r.checkpoint.merge_lora).lower()]
         assert opts["no_save_optim"] == [str(not r.checkpoint.keep_optimizer).lower()]
@@ -144,6 +150,10 @@ def test_resume_flags(request, backend, resume, present, absent):
     (["checkpoint.save_total_limit=3"], "save_total_limit", ["3"]),
     ([], "async_save", ["false"]),
     (["checkpoint.async_save=true"], "async_save", ["true"]),
+    ([], "dataloader_pin_memory", None),
+    # megatron-core 0.16's forked async save: pinned staging copies freed while the child writes them
+    (["checkpoint.async_save=true"], "dataloader_pin_memory", ["false"]),
+    (["checkpoint.async_save=true", "extra_args.dataloader_pin_memory=true"], "dataloader_pin_memory", ["true"]),
     ([], "save_safetensors", ["true"]),                                 # merge never: the HF adapter is the export
     (['checkpoint.merge="final"'], "save_safetensors", ["false"]),     # the mcore shards hold it: no copy
     (['checkpoint.merge="final"', "checkpoint.save_safetensors=true"], "save_safetensors", ["true"]),

@@ -118,28 +118,35 @@ def test_per_save_bytes(path, overrides, parts):
     assert budget_of(path, *overrides).per_save_bytes == parts
 
 
+FIELD = "checkpoint.save_steps=100"  # the field's interval (the shipped recipes choose it: "auto")
+
+
 @pytest.mark.parametrize("path,overrides,keep,local_gib,persistent_gib,publish_mib_s", [
     # 397B checkpoint per save: adapter 30.44e9 B = 28.3 GiB + mcore_shards 156.30e9 B = 145.6 GiB -> 173.9 GiB;
-    # every_save, 2 kept: 3 checkpoints (2 kept + 1 being written) + 2 merged copies (one being written, one
-    # being published; a published merged copy is deleted locally): 3 x 173.9 + 2 x 739.5;
+    # every_save, 2 kept: 4 checkpoints (2 kept + 1 being written + 1 being published) + 2 merged copies (one
+    # being written, one being published; a published merged copy is deleted locally): 4 x 173.9 + 2 x 739.5;
     # persistent: 4 copies (3 newest + best loss) of 913.4 GiB; 913.4 GiB per 1800 s = 519.6 MiB/s
-    (R397, ['checkpoint.merge="every_save"'], 2, 2000.7, 3653.5, 519.6),
-    # weights-only saves: adapter 28.3 GiB + merged 739.5 GiB every 30 min: 3 x 28.3 + 2 x 739.5; 4 x 767.8
-    (R397, ['checkpoint.merge="every_save"', "checkpoint.keep_optimizer=false"], 2, 1564.0, 3071.3, 436.8),
+    (R397, ['checkpoint.merge="every_save"', FIELD], 2, 2174.6, 3653.5, 519.6),
+    # weights-only saves: adapter 28.3 GiB + merged 739.5 GiB every 30 min: 4 x 28.3 + 2 x 739.5; 4 x 767.8
+    (R397, ['checkpoint.merge="every_save"', "checkpoint.keep_optimizer=false", FIELD], 2, 1592.3, 3071.3, 436.8),
     # final (with the HF adapter at every save): 2 kept + the 739.5 GiB export after the last step;
     # persistent: 4 copies + the merged model
-    (R397, [ST], 2, 1087.3, 1435.1, 98.9),
-    (R397, [ST, "checkpoint.keep_local=1"], 1, 913.4, 1435.1, 98.9),
-    (R397, ['checkpoint.merge="never"'], 2, 521.7, 695.7, 98.9),   # 3 x 173.9 GiB; 4 x 173.9 GiB
-    (R397, [ST, "checkpoint.step_time_s=36"], 2, 1087.3, 1435.1, 49.5),
+    (R397, [ST, FIELD], 2, 1087.3, 1435.1, 98.9),
+    (R397, [ST, "checkpoint.keep_local=1", FIELD], 1, 913.4, 1435.1, 98.9),
+    (R397, ['checkpoint.merge="never"', FIELD], 2, 695.7, 695.7, 98.9),   # 4 x 173.9 GiB; 4 x 173.9 GiB
+    (R397, [ST, "checkpoint.step_time_s=36", FIELD], 2, 1087.3, 1435.1, 49.5),  # a save per hour
     (R397, [ST, "checkpoint.save_steps=400"], 2, 1087.3, 1435.1, 24.7),
-    # final as shipped: no HF adapter per save, 145.6 GiB: max(3 x 145.6, 2 x 145.6 + 739.5); 4 x 145.6 + 739.5
+    # final as shipped: no HF adapter per save, 145.6 GiB: max(4 x 145.6, 2 x 145.6 + 739.5); 4 x 145.6 + 739.5;
+    # a save every ~3 min (auto), the newest published every 30 min (publish_interval_s): 145.6 GiB / 1800 s
     (R397, [], 2, 1030.6, 1321.7, 82.8),
     (R397, ["checkpoint.keep_local=1"], 1, 885.0, 1321.7, 82.8),
-    # 235B checkpoint per save: adapter 6.2 GiB + mcore_shards 32.6 GiB = 38.8 GiB; merged 437.7 GiB
-    (R235, ['checkpoint.merge="every_save"'], 2, 991.8, 1906.0, 1524.8),
-    (R235, [ST], 2, 515.3, 592.9, 124.1),                  # 100 steps x 3.2 s (ms-swift's example)
-    (R235, [], 2, 503.0, 568.2, 104.4),                    # as shipped: 32.6 GiB per save
+    (R397, ["checkpoint.publish_interval_s=0"], 2, 1030.6, 1321.7, 828.1),  # every 3-min save published
+    # 235B checkpoint per save: adapter 6.2 GiB + mcore_shards 32.6 GiB = 38.8 GiB; merged 437.7 GiB; 100
+    # steps x 3.2 s (ms-swift's example) = 320 s, published at most every 1800 s
+    (R235, ['checkpoint.merge="every_save"', FIELD], 2, 1030.6, 1906.0, 271.1),
+    (R235, [ST, FIELD], 2, 515.3, 592.9, 22.1),
+    (R235, [ST, FIELD, "checkpoint.publish_interval_s=0"], 2, 515.3, 592.9, 124.1),  # each save published
+    (R235, [], 2, 503.0, 568.2, 18.6),                     # as shipped: 32.6 GiB per save
     (R235, [ST, "run.persistent_dir=\"\""], 3, 554.1, None, 0.0),  # no persistent_dir: 3 kept + the 437.7 GiB export
 ])
 def test_budget(path, overrides, keep, local_gib, persistent_gib, publish_mib_s):
@@ -151,7 +158,7 @@ def test_budget(path, overrides, keep, local_gib, persistent_gib, publish_mib_s)
 
 
 def test_budget_merged_copy_bandwidth_is_the_issues_420():
-    b = budget_of(R397, 'checkpoint.merge="every_save"')
+    b = budget_of(R397, 'checkpoint.merge="every_save"', FIELD)
     assert round(b.per_save_bytes["merged"] / GIB) == 739 and b.save_interval_s == 1800
     assert round(b.per_save_bytes["merged"] / b.save_interval_s / MIB) == 421
 
@@ -183,7 +190,7 @@ def test_step_time(path, overrides, step, source):
 def test_unknown_model_budget_is_zero_with_a_note():
     r = R.load(R397, ['model.path="/models/SomethingElse"', "model.num_experts=512"])
     b = storage.budget(r, None)
-    assert b.local_bytes == 3 * RNG_8 and "not estimated" in b.notes[0]  # only the RNG state is known
+    assert b.local_bytes == 4 * RNG_8 and "not estimated" in b.notes[0]  # only the RNG state is known
 
 
 # --- disks: probe, held bytes, checks -------------------------------------------------------------
@@ -222,13 +229,13 @@ def test_held_bytes_counts_checkpoints_only(tmp_path):
 def test_check_storage_messages(write_recipe):
     r = R.load(write_recipe(run={"persistent_dir": "pub"}, checkpoint={"merge": "every_save"}))
     b = storage.StorageBudget({"adapter": 10 * GIB, "merged": 100 * GIB}, 110 * GIB, 0, 2, "default",
-                              420 * GIB, 440 * GIB, 18.0, "x", 1800.0, 0.0)
+                              420 * GIB, 440 * GIB, 18.0, "x", 1800.0, 1800.0, 0.0)
     disks = {"output_dir": {"path": r.run.output_dir, "free_bytes": 300 * GIB, "held_bytes": 20 * GIB},
              "persistent_dir": {"path": r.run.persistent_dir, "free_bytes": 500 * GIB, "held_bytes": 0}}
     out, pub = preflight.check_storage(r, b, disks)
     assert (out.name, out.ok, out.fatal) == ("disk:output_dir", False, True)
     for fragment in ("retention needs 420.0 GiB", "300.0 GiB free + 20.0 GiB in this run's checkpoints",
-                     "lower checkpoint.keep_local (now 2)", 'checkpoint.merge = "final"', "checkpoint.save_steps",
+                     "lower checkpoint.keep_local (now 2)", 'checkpoint.merge = "final"', "1 being published",
                      f"(disk {host_probe.mount_point(r.run.output_dir)})"):
         assert fragment in out.detail, fragment
     assert (pub.name, pub.ok, pub.fatal) == ("disk:persistent_dir", True, True)
@@ -236,10 +243,10 @@ def test_check_storage_messages(write_recipe):
 
 @pytest.mark.parametrize("speed,ok", [(None, False), (100 * MIB, False), (1000 * MIB, True)])
 def test_check_publish_is_a_warning(speed, ok):
-    r = R.load(R397, ['checkpoint.merge="every_save"'])
+    r = R.load(R397, ['checkpoint.merge="every_save"', FIELD])
     c = preflight.check_publish(r, storage.budget(r, known_config(r.model.path)), speed, "probe failed")
     assert (c.name, c.ok, c.fatal) == ("publish_throughput", ok, False)
-    assert "needs 520 MiB/s" in c.detail and ("raise checkpoint.save_steps" in c.detail) is not ok
+    assert "needs 520 MiB/s" in c.detail and ("raise checkpoint.publish_interval_s" in c.detail) is not ok
 
 
 # --- a real small filesystem ---------------------------------------------------------------------

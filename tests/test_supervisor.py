@@ -343,11 +343,12 @@ def test_spot_notice_stops_training_and_publishes_the_last_checkpoint(tmp_path):
     assert p.returncode == 0, err
     stop = events(tmp_path / "out", "stop")
     assert stop and "spot interruption" in stop[0]["message"] and "terminate" in stop[0]["message"]
-    newest = os.readlink(tmp_path / "out" / "last-checkpoint")  # the newest complete one
-    assert (published_at(recipe) / newest).is_dir(), "the final sync published the newest checkpoint"
     j = journal(tmp_path / "out")
-    assert all(c["synced_at"] for c in j.checkpoints()), "the journal knows what reached persistent storage"
+    rows = {c["step"]: c["synced_at"] for c in j.checkpoints() if c["ok"]}
     j.close()
+    # the newest verified one (a save on SIGTERM may come after the one last-checkpoint names)
+    assert (published_at(recipe) / f"checkpoint-{max(rows)}").is_dir(), "the final sync published the newest"
+    assert rows[max(rows)], "the journal knows what reached persistent storage"
     assert not _run_processes(tmp_path / "out")
 
 

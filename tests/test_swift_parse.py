@@ -20,7 +20,7 @@ from conftest import ROOT
 from orchestrator.config import estimate
 from orchestrator.ops import tiny
 from orchestrator.config import recipe as R
-from orchestrator.config.render.command import render_command
+from orchestrator.config.render import command
 from orchestrator.config.render.export import render_export
 from orchestrator.types import Resume
 
@@ -33,6 +33,13 @@ if _MISSING:  # pragma: no cover - the test extra installs both
 
 PROBE = Path(__file__).with_name("swift_parse_probe.py")
 LARGE = {"qwen3.5-397b-a17b-lora-ep8.toml": "qwen3.5-397b-a17b", "qwen3-235b-a22b-lora-ep8.toml": "qwen3-235b-a22b"}
+
+
+def render_command(r, resume, port, save_steps=None):
+    """One launch's command; a save_steps = "auto" recipe (the shipped large ones) with an interval chosen as
+    the supervisor would (10: what `plan` starts the 397B recipe with)."""
+    chosen = save_steps or (10 if r.checkpoint.save_steps == "auto" else None)
+    return command.render_command(r, resume, port, chosen)
 
 
 def probe(commands) -> list[dict]:

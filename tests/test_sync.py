@@ -20,6 +20,8 @@ from test_checkpoints import make_megatron, make_merged, make_swift
 
 from orchestrator.store import checkpoints as ck
 from orchestrator.store import copytree, sync
+from orchestrator.store import sync_thread
+from orchestrator.store.sync_thread import SyncThread, until_due
 from orchestrator.store import manifest as mf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,15 +55,17 @@ def test_publish_then_resync_copies_nothing(tmp_path, copier):
     for s in (10, 20, 30):
         make_swift(out, s)
     r = sync.sync_once(out, pers, "swift", "h1")
-    assert r.ok and r.synced and set(r.copied) == {"checkpoint-10", "checkpoint-20", "checkpoint-30"}
-    assert published(pers) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+    # only the newest: the two older ones are superseded, never copied
+    assert r.ok and r.synced and r.copied == ("checkpoint-30",) and published(pers) == ["checkpoint-30"]
+    assert {s for s in r.skipped if "superseded by checkpoint-30" in s} == {
+        "checkpoint-10: superseded by checkpoint-30 (only the newest is published)",
+        "checkpoint-20: superseded by checkpoint-30 (only the newest is published)"}
     assert r.bytes_copied > 0 and r.lag_steps == 0 and r.lag_s == 0.0 and r.newest_published == 30
-    for s in (10, 20, 30):
-        local, pub = out / f"checkpoint-{s}", pers / f"checkpoint-{s}"
-        m = mf.read_manifest(local)
-        assert m["recipe_hash"] == "h1" and m["step"] == s  # the manifest was written locally on verification
-        assert sync.same_content(m, mf.read_manifest(pub)) and mf.manifest_matches(pub, m) == []
-        assert ck.verify(pub, backend="swift").ok  # trainer_state.json is the marker in the copy
+    local, pub = out / "checkpoint-30", pers / "checkpoint-30"
+    m = mf.read_manifest(local)
+    assert m["recipe_hash"] == "h1" and m["step"] == 30  # the manifest was written locally on verification
+    assert sync.same_content(m, mf.read_manifest(pub)) and mf.manifest_matches(pub, m) == []
+    assert ck.verify(pub, backend="swift").ok  # trainer_state.json is the marker in the copy
     before = inodes(pers / "checkpoint-30")
     r2 = sync.sync_once(out, pers, "swift", "h1")
     assert r2.ok and r2.copied == () and r2.bytes_copied == 0 and r2.deleted == ()
@@ -100,11 +104,12 @@ def test_only_verified_checkpoints_are_published(tmp_path, copier):
 def test_retention_keeps_newest_and_best_loss(tmp_path, copier):
     out, pers = tmp_path / "out", tmp_path / "pers"
     losses = {10: 5.0, 20: 1.0, 30: 4.0, 40: 3.0, 50: 2.0}
-    for s, loss in losses.items():
+    deleted = []
+    for s, loss in losses.items():  # a round after each save: each is the newest when published
         make_swift(out, s, loss=loss)
-    r = sync.sync_once(out, pers, "swift", "h", keep=2)
+        deleted += sync.sync_once(out, pers, "swift", "h", keep=2).deleted
     assert published(pers) == ["checkpoint-20", "checkpoint-40", "checkpoint-50"]
-    assert any("checkpoint-10: outside retention" in s for s in r.skipped)
+    assert deleted == ["checkpoint-10", "checkpoint-30"]
     assert mf.read_manifest(pers / "checkpoint-20")["loss"] == 1.0
     make_swift(out, 60, loss=0.5)
     r = sync.sync_once(out, pers, "swift", "h", keep=2)
@@ -140,10 +145,11 @@ def test_merged_and_mcore_selection(tmp_path, copier):
     assert sync.sync_once(out, pers, "megatron", "h", include_mcore=False).copied == ()
     r = sync.sync_once(out, pers, "megatron", "h")  # now with shards: the copy is republished whole
     assert r.copied == ("checkpoint-100",) and list((pers / "checkpoint-100").rglob("*.distcp"))
+    deleted = []
     for s in (200, 300, 400):
         make_megatron(out, s)
-    r = sync.sync_once(out, pers, "megatron", "h", keep=3, include_merged=False)
-    assert set(r.deleted) == {"checkpoint-100", "checkpoint-100-merged"}  # the merged copy goes with its step
+        deleted += sync.sync_once(out, pers, "megatron", "h", keep=3, include_merged=False).deleted
+    assert set(deleted) == {"checkpoint-100", "checkpoint-100-merged"}  # the merged copy goes with its step
     assert published(pers) == ["checkpoint-200", "checkpoint-300", "checkpoint-400"]
 
 
@@ -194,7 +200,7 @@ def test_full_disk_prunes_what_retention_drops_anyway(tmp_path, monkeypatch):
     out, pers = tmp_path / "out", tmp_path / "pers"
     for s in (10, 20, 30):
         make_swift(out, s, loss=s / 10)
-    sync.sync_once(out, pers, "swift", "h", keep=3)
+        sync.sync_once(out, pers, "swift", "h", keep=3)
     make_swift(out, 40, loss=4.0)
 
     def usage(p):  # full until checkpoint-20 is gone
@@ -295,6 +301,7 @@ def test_restore(tmp_path, copier):
     out, pers, fresh = tmp_path / "out", tmp_path / "pers", tmp_path / "fresh"
     for s in (10, 20):
         make_swift(out, s)
+        sync.sync_once(out, pers, "swift", "h")
     make_merged(out, 20)
     sync.sync_once(out, pers, "swift", "h")
     p = sync.restore(pers, fresh, None, include_merged=True)
@@ -321,7 +328,7 @@ def test_sidecar_timer_trigger_alerts_and_stop(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10)
     alerts = []
-    car = sync.SyncThread(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append)
+    car = SyncThread(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append)
     car.start()
     assert car.wait_rounds(1, timeout=30)
     assert car.last_result.copied == ("checkpoint-10",) and car.last_success_at and car.bytes_total > 0
@@ -344,9 +351,9 @@ def test_sidecar_survives_exceptions(tmp_path, monkeypatch):
     def boom(*a, **k):
         calls.release()
         raise RuntimeError("disk exploded")
-    monkeypatch.setattr(sync, "sync_once", boom)
+    monkeypatch.setattr(sync_thread, "sync_once", boom)
     alerts = []
-    car = sync.SyncThread(tmp_path, tmp_path / "p", "swift", "h", interval_s=3600, on_problem=alerts.append)
+    car = SyncThread(tmp_path, tmp_path / "p", "swift", "h", interval_s=3600, on_problem=alerts.append)
     car.start()
     assert car.wait_rounds(1, timeout=30)
     car.trigger()
@@ -357,14 +364,41 @@ def test_sidecar_survives_exceptions(tmp_path, monkeypatch):
     assert not car.is_alive()
 
 
+@pytest.mark.parametrize("last, interval, now, want", [
+    (None, 1800, 5.0, 0.0),         # nothing copied yet: due now
+    (100.0, 1800, 700.0, 1200.0),   # copied 600 s ago: 1200 s to go
+    (100.0, 1800, 1900.0, 0.0),     # exactly due
+    (100.0, 1800, 5000.0, 0.0),     # overdue
+    (100.0, 0, 100.5, 0.0),         # 0: every verified save
+])
+def test_until_due(last, interval, now, want):
+    assert until_due(last, interval, now) == want
+
+
+def test_sidecar_publishes_the_newest_at_most_every_publish_interval(tmp_path):
+    out, pers = tmp_path / "out", tmp_path / "pers"
+    make_swift(out, 10)
+    car = SyncThread(out, pers, "swift", "h", interval_s=3600, publish_interval_s=3600)
+    car.start()
+    assert car.wait_rounds(1, timeout=30) and car.last_result.copied == ("checkpoint-10",)
+    for s in (20, 30):
+        make_swift(out, s)
+        car.trigger()
+    assert not car.wait_rounds(2, timeout=0.5)  # held: the round that copied started under an hour ago
+    assert published(pers) == ["checkpoint-10"]
+    car.stop(timeout=30, final_sync=True)  # the final round is never held
+    assert not car.is_alive() and car.rounds == 2 and car.last_result.copied == ("checkpoint-30",)
+    assert published(pers) == ["checkpoint-10", "checkpoint-30"]  # checkpoint-20: superseded, never copied
+
+
 def test_sidecar_stop_before_start_and_interval(tmp_path):
     make_swift(tmp_path / "out", 10)
-    car = sync.SyncThread(tmp_path / "out", tmp_path / "p", "swift", "h", interval_s=0.05)
+    car = SyncThread(tmp_path / "out", tmp_path / "p", "swift", "h", interval_s=0.05)
     car.start()
     assert car.wait_rounds(3, timeout=30)  # the timer alone drives rounds
     car.stop(timeout=30)
     assert not car.is_alive()
-    sync.SyncThread(tmp_path, tmp_path / "q", "swift", "h").stop()  # never started: no error
+    SyncThread(tmp_path, tmp_path / "q", "swift", "h").stop()  # never started: no error
 
 
 def test_manifest_json_is_what_we_expect(tmp_path):
@@ -382,7 +416,7 @@ def test_sidecar_stop_cancels_a_long_copy(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10, big=8 << 20)  # ~8 s at 1 MiB/s
     alerts = []
-    car = sync.SyncThread(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append, bwlimit_kib=1024)
+    car = SyncThread(out, pers, "swift", "h", interval_s=3600, on_problem=alerts.append, bwlimit_kib=1024)
     car.start()
     staging = pers / ".partial-checkpoint-10"
     deadline = time.monotonic() + 30

@@ -126,6 +126,10 @@ class CheckpointSection(_Section):
     save_safetensors: bool | None = None
     keep_persistent: int = Field(default=3, gt=0)  # newest K published copies (plus the best-loss one)
     sync_interval_s: float = Field(default=300, gt=0)
+    # Publish the newest verified checkpoint at most this often (0: after every verified save). A crash
+    # resumes from the local copies; the published ones are for losing the node. With save_steps = "auto"
+    # a 397B run saves 146 GiB every few minutes: copying each would take ~0.8 GiB/s of persistent storage.
+    publish_interval_s: float = Field(default=1800, ge=0)
     resume_loss_tolerance: float = Field(default=0.05, ge=0)  # relative; resume divergence check
 
     @field_validator("save_steps", mode="before")

@@ -23,7 +23,7 @@ class Local:
     ok: bool                       # verified
     published: bool                # its copy on persistent storage is verified (journal synced_at)
     merged_path: str | None = None
-    superseded: bool = False       # outside what persistent retention keeps: sync never copies it
+    superseded: bool = False       # unpublished and older than the newest verified: sync copies only the newest
     merged_published: bool = False  # its merged copy is published (it may appear after the checkpoint was)
 
     @property
@@ -59,7 +59,7 @@ def plan_prune(local: list[Local], keep: int, persistent: bool, keep_merged: boo
                 out.append(Prune(c.merged_path, f"merged copy of checkpoint-{c.step} is published"))
             continue
         why = "disk pressure: " if pressure else ""
-        where = ", published" if c.published else ", superseded (outside persistent retention)" if persistent else ""
+        where = ", published" if c.published else ", superseded (only the newest is published)" if persistent else ""
         out.append(Prune(c.path, f"{why}older than the newest {1 if pressure else keep} verified{where}"))
         if c.merged_path and not (persistent and not (c.merged_published or c.superseded)):
             out.append(Prune(c.merged_path, f"merged copy of pruned checkpoint-{c.step}"))

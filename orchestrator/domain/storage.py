@@ -95,7 +95,8 @@ class StorageBudget:
     step_time_s: float
     step_time_source: str
     save_interval_s: float
-    publish_bytes_per_s: float         # published_per_save_bytes / (save_steps x step time)
+    publish_every_s: float             # the newest save is published at most every checkpoint.publish_interval_s
+    publish_bytes_per_s: float         # published_per_save_bytes / publish_every_s
     notes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
@@ -122,12 +123,13 @@ def per_save_parts(r: Recipe, cfg: Mapping, total_bytes: int | None = None) -> d
 
 def local_bytes_for(parts: Mapping[str, int], keep: int, merge: str, final_merged: int, published: bool) -> int:
     """Bytes output_dir must hold with `keep` local copies: while training, the copies kept plus the one
-    being written; a merged copy is deleted once published, so with a persistent_dir at most two are local
-    (one being written, one being published); with merge = "final", the copies kept plus the export."""
+    being written, and with a persistent_dir the one being published (newer saves may land during its copy);
+    a merged copy is deleted once published, so then at most two are local (one being written, one being
+    published); with merge = "final", the copies kept plus the export."""
     ckpt = sum(v for k, v in parts.items() if k != "merged")
     merged = parts.get("merged", 0)
     merged_copies = min(keep + 1, 2) if published else keep + 1
-    training = (keep + 1) * ckpt + merged_copies * merged
+    training = (keep + 1 + published) * ckpt + merged_copies * merged
     return max(training, keep * ckpt + final_merged if merge == "final" else 0)
 
 
@@ -161,8 +163,9 @@ def budget(r: Recipe, cfg: Mapping | None, total_bytes: int | None = None,
     steps = c.save_steps if c.save_steps != "auto" else starting_choice(
         sum(parts.values()), step_s, step_src, None, background_bytes(r, parts), ranks(r)).steps
     interval = steps * step_s
+    every = max(interval, c.publish_interval_s)
     return StorageBudget(parts, published, final_merged, keep, source, local, persistent, step_s, step_src,
-                         interval, published / interval if has_persistent else 0.0, tuple(notes))
+                         interval, every, published / every if has_persistent else 0.0, tuple(notes))
 
 
 def background_bytes(r: Recipe, parts: Mapping[str, int]) -> int:

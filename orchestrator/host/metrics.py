@@ -138,7 +138,9 @@ class Metrics:
         self._ckpt_invalid = counter("orchestrator_checkpoint_invalid",
                                      "Checkpoints that failed verification.")
         self._sync_lag = gauge("orchestrator_sync_lag_seconds",
-                               "How far the synced copy lags the newest local checkpoint, seconds.")
+                               "Age of the oldest local checkpoint newer than the newest published one, seconds.")
+        self._publish_interval = gauge("orchestrator_publish_interval_seconds",
+                                       "checkpoint.publish_interval_s: the newest save is published at most this often.")
         self._sync_bytes = counter("orchestrator_sync_bytes", "Bytes copied by checkpoint sync.")
         self._pruned = counter("orchestrator_local_checkpoints_pruned",
                                "Local checkpoints and merged copies deleted by retention, by reason.", ("reason",))
@@ -256,6 +258,9 @@ class Metrics:
 
     def hang_timer(self, seconds: float) -> None:
         self._hang_timer.set(seconds)
+
+    def publish_interval(self, seconds: float) -> None:
+        self._publish_interval.set(seconds)
 
     def checkpoint_invalid(self) -> None:
         self._ckpt_invalid.inc()

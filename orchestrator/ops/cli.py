@@ -96,12 +96,15 @@ def _print_storage(s: dict) -> None:
     click.echo(f"# storage per save {gib(sum(s['per_save_bytes'].values()))}: {parts}")
     if s["final_merged_bytes"]:
         click.echo(f"#   merged model after the last step (checkpoint.merge = \"final\"): {gib(s['final_merged_bytes'])}")
+    published = s["persistent_bytes"] is not None
     click.echo(f"#   output_dir needs {gib(s['local_bytes'])}: keep_local {s['keep_local']} ({s['keep_local_source']}) "
-               "+ 1 being written" + ("; then the merged export" if s["final_merged_bytes"] else ""))
-    if s["persistent_bytes"] is not None:
+               "+ 1 being written" + (" + 1 being published" if published else "")
+               + ("; then the merged export" if s["final_merged_bytes"] else ""))
+    if published:
+        held = " (checkpoint.publish_interval_s)" if s["publish_every_s"] > s["save_interval_s"] else ""
         click.echo(f"#   persistent_dir needs {gib(s['persistent_bytes'])}; publishing {gib(s['published_per_save_bytes'])} "
-                   f"every {s['save_interval_s'] / 60:.0f} min needs {s['publish_bytes_per_s'] / 2**20:,.0f} MiB/s "
-                   f"(step {s['step_time_s']:g} s: {s['step_time_source']})")
+                   f"every {s['publish_every_s'] / 60:.0f} min{held} needs {s['publish_bytes_per_s'] / 2**20:,.0f} MiB/s; "
+                   f"a save every {s['save_interval_s'] / 60:.0f} min (step {s['step_time_s']:g} s: {s['step_time_source']})")
     for name, d in s["disks"].items():
         speed = f"writes {d['write_bytes_per_s'] / 2**20:,.0f} MiB/s, {d['seconds_per_save']:,.0f} s per save" \
             if d["write_bytes_per_s"] else d["probe"]

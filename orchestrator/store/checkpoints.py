@@ -340,3 +340,13 @@ def export_staging_name(checkpoint_name: str) -> str:
     """Where the export of checkpoint.merge = "final" writes; renamed to merged_name only once verified.
     Not a checkpoint name: discovery, sync and retention never see a partial export."""
     return f".partial-{merged_name(checkpoint_name)}"
+
+
+def quarantine_name(path: Path, attempt_n: int) -> Path:
+    """Where a checkpoint written at or after a NaN is moved: `<name>.nan-attempt-N`, or `.nan-attempt-N.K` when
+    an earlier, interrupted quarantine already used that name (a rename onto it would fail)."""
+    target, k = path.with_name(f"{path.name}.nan-attempt-{attempt_n}"), 1
+    while target.exists():
+        k += 1
+        target = path.with_name(f"{path.name}.nan-attempt-{attempt_n}.{k}")
+    return target

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from orchestrator.store import checkpoints, sync
+from orchestrator.store.sync_thread import SyncThread
 from orchestrator.store import manifest as mf
 from orchestrator.store.published import PublishLock, publish_dir, published
 from orchestrator.config.recipe import Recipe, RecipeError, recipe_hash, semantic_view
@@ -48,7 +49,8 @@ def sync_recipe(r: Recipe) -> dict:
 class Publisher:
     def __init__(self, recipe: Recipe, h: str, journal, metrics):
         self.recipe, self.hash, self.journal, self.metrics = recipe, h, journal, metrics
-        self.thread: sync.SyncThread | None = None
+        self.thread: SyncThread | None = None
+        self.in_flight = sync.InFlight()  # shared with local retention (CheckpointTracker.prune)
         self.problems: list[str] = []
         self.seen_rounds = 0
 
@@ -59,9 +61,11 @@ class Publisher:
     def start(self) -> None:
         if self.enabled:
             a = _sync_args(self.recipe, self.hash)
-            self.thread = sync.SyncThread(a.pop("output_dir"), a.pop("persistent_dir"), a.pop("backend"),
-                                           a.pop("recipe_hash"), interval_s=self.recipe.checkpoint.sync_interval_s,
-                                           on_problem=self.problems.append, **a)
+            c = self.recipe.checkpoint
+            self.metrics.publish_interval(c.publish_interval_s)
+            self.thread = SyncThread(a.pop("output_dir"), a.pop("persistent_dir"), a.pop("backend"), a.pop("recipe_hash"),
+                                     interval_s=c.sync_interval_s, publish_interval_s=c.publish_interval_s,
+                                     on_problem=self.problems.append, in_flight=self.in_flight, **a)
             self.thread.start()
 
     def trigger(self) -> None:
@@ -159,7 +163,7 @@ class Publisher:
         try:
             for c in self._published():
                 if c.step >= nan_step:
-                    c.path.rename(c.path.with_name(f"{c.name}.nan-attempt-{attempt_n}"))
+                    c.path.rename(checkpoints.quarantine_name(c.path, attempt_n))
                     moved.append(c.name)
         except OSError as e:
             self.journal.event("quarantine", f"published copies from step {nan_step}: {e}")

@@ -1,4 +1,5 @@
-"""Publish verified checkpoints to persistent storage, restore them, and a sidecar thread that keeps syncing.
+"""Publish the newest verified checkpoint to persistent storage, and restore one (sync_thread.py repeats
+the rounds).
 
 `persistent` here is the directory one run publishes into (published.publish_dir: its name and recipe hash
 under run.persistent_dir). A copy there whose manifest names another recipe hash is never overwritten,
@@ -156,6 +157,24 @@ def _publish(src: Path, persistent: Path, manifest: dict, link_dest: Path | None
 
 # ---------------------------------------------------------------- sync / restore
 
+class InFlight:
+    """The local checkpoint a publish round is copying. Local retention decides and renames under `lock`
+    and never touches `path`; a round takes a path under the same lock only while it is still there."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.path: str | None = None
+
+    def take(self, path: str) -> bool:
+        with self.lock:
+            self.path = path if os.path.isdir(path) else None
+            return self.path is not None
+
+    def release(self) -> None:
+        with self.lock:
+            self.path = None
+
+
 def open_lock(persistent: Path, wait_s: float = 0.0) -> int:
     """The sync lock; BlockingIOError when another sync still holds it after wait_s."""
     persistent.mkdir(parents=True, exist_ok=True)
@@ -205,8 +224,9 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
               recipe_hash: str | None, keep: int = 3, include_mcore: bool = True, include_merged: bool = True,
               on_problem: Callable[[str], None] | None = None, *, bwlimit_kib: int | None = None,
               margin_bytes: int = 256 << 20, cancel: threading.Event | None = None,
-              lock_wait_s: float = 0.0) -> SyncResult:
-    """Publish the verified local checkpoints that retention keeps (newest first); prune old published ones."""
+              lock_wait_s: float = 0.0, in_flight: InFlight | None = None) -> SyncResult:
+    """Publish the newest verified local checkpoint (and its merged copy); prune old published ones.
+    `in_flight`: shared with local retention, which never deletes the checkpoint being copied."""
     t0, out, persistent = time.monotonic(), Path(output_dir), Path(persistent_dir)
     try:
         lock_fd = open_lock(persistent, lock_wait_s)
@@ -228,13 +248,20 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
         pub = {n: m for n, m in everything.items() if owned(m, recipe_hash)}
         foreign = {n: m for n, m in everything.items() if n not in pub}
         wanted = retain({**_losses(pub), **{s: i.loss for s, i in local.items()}}, keep)
-        todo = sorted((s for s in local if s in wanted), reverse=True)  # newest first: the most valuable
-        skipped += [f"checkpoint-{s}: outside retention (keep={keep})" for s in local if s not in wanted]
+        # Only the newest: an older unpublished one is superseded (a crash resumes from the local copies;
+        # the published ones are for losing the node, where only the newest matters).
+        newest = max(local, default=None)
+        todo = [newest] if newest in wanted else []
+        skipped += [f"checkpoint-{s}: superseded by checkpoint-{newest} (only the newest is published)"
+                    for s in local if s != newest and f"checkpoint-{s}" not in pub]
         resumable = {f"{PARTIAL}checkpoint-{s}{sfx}" for s in todo for sfx in ("", "-merged")}
         for e in persistent.iterdir():  # we hold the lock, so any other .partial-* is abandoned
             if e.name.startswith(PARTIAL) and e.name not in resumable:
                 shutil.rmtree(e, ignore_errors=True)
         for s in todo:
+            if in_flight is not None and not in_flight.take(local[s].path):
+                skipped.append(f"checkpoint-{s}: deleted locally before its copy started")
+                continue
             dirs = [Path(local[s].path)]
             if include_merged and local[s].merged_path:
                 mv = ck.verify(local[s].merged_path, backend=backend)
@@ -274,8 +301,9 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                 _remove(persistent / n)
                 deleted.append(n)
         newest_pub, newest_local = max(kept, default=None), max(local, default=None)
-        lag_s = None if newest_local is None else 0.0 if f"checkpoint-{newest_local}" in pub else \
-            max(0.0, time.time() - Path(local[newest_local].path).stat().st_mtime)
+        behind = sorted(s for s in local if newest_pub is None or s > newest_pub)  # what losing the node loses
+        lag_s = None if newest_local is None else 0.0 if not behind else \
+            max(0.0, time.time() - Path(local[behind[0]].path).stat().st_mtime)
         lag = None if newest_local is None or newest_pub is None else max(0, newest_local - newest_pub)
         r = SyncResult(tuple(copied), nbytes, tuple(skipped), tuple(problems), tuple(deleted), newest_local,
                        newest_pub, lag, lag_s, synced=all(p.startswith("local ") for p in problems))
@@ -284,6 +312,8 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                        tuple(deleted))
     finally:
         os.close(lock_fd)
+        if in_flight is not None:
+            in_flight.release()
     return _report(r, on_problem, t0)
 
 
@@ -356,74 +386,3 @@ def restore(persistent_dir: str | os.PathLike, output_dir: str | os.PathLike, st
             raise SyncError(f"restored copy of {name} does not match its manifest ({bad[0]}): the published "
                             f"copy is damaged; restore an older step")
     return out / names[0]
-
-
-class SyncThread(threading.Thread):
-    """Runs sync_once every interval_s and on trigger(); never raises, never blocks the caller."""
-
-    def __init__(self, output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, backend: str,
-                 recipe_hash: str | None, interval_s: float = 300.0,
-                 on_problem: Callable[[str], None] | None = None, final_lock_wait_s: float = 120.0,
-                 **sync_kwargs) -> None:
-        super().__init__(name="orchestrator-sync", daemon=True)
-        self.args = (output_dir, persistent_dir, backend, recipe_hash)
-        self.interval_s, self.on_problem, self.sync_kwargs = interval_s, on_problem, sync_kwargs
-        self.final_lock_wait_s = final_lock_wait_s
-        self.last_result: SyncResult | None = None
-        self.last_success_at: float | None = None
-        self.bytes_total = 0
-        self.rounds = 0
-        self._wake, self._stopping, self._cancel = threading.Event(), threading.Event(), threading.Event()
-        self._final = False
-        self._cond = threading.Condition()
-        self._alerted: set[str] = set()
-
-    def trigger(self) -> None:
-        """Sync soon (call after a verified save)."""
-        self._wake.set()
-
-    def stop(self, timeout: float | None = None, final_sync: bool = False, cancel: bool = False) -> None:
-        """Stop the thread; optionally run one last round first, or cancel a running copy."""
-        self._final = final_sync
-        if cancel:
-            self._cancel.set()
-        self._stopping.set()
-        self._wake.set()
-        if self.is_alive():
-            self.join(timeout)
-
-    def wait_rounds(self, n: int, timeout: float | None = None) -> bool:
-        """Block until at least n rounds have finished."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.rounds >= n, timeout)
-
-    def run(self) -> None:
-        self._round()
-        while True:
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
-            if self._stopping.is_set():
-                if self._final:  # the last chance: wait for another sync (an orphaned rsync, --once) to finish
-                    self._round(lock_wait_s=self.final_lock_wait_s)
-                return
-            self._round()
-
-    def _round(self, lock_wait_s: float = 0.0) -> None:
-        try:
-            r = sync_once(*self.args, cancel=self._cancel, lock_wait_s=lock_wait_s, **self.sync_kwargs)
-        except Exception as e:  # noqa: BLE001 - the thread must survive anything
-            r = SyncResult(problems=(f"sync crashed: {type(e).__name__}: {e}",))
-        new = [p for p in r.problems if p not in self._alerted]
-        self._alerted = set(r.problems)  # alert once per problem until it clears
-        for p in new if self.on_problem else ():
-            try:
-                self.on_problem(p)
-            except Exception:
-                log.exception("on_problem hook failed")
-        with self._cond:
-            self.last_result = r
-            self.bytes_total += r.bytes_copied
-            if r.synced:
-                self.last_success_at = time.time()
-            self.rounds += 1
-            self._cond.notify_all()

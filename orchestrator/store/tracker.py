@@ -15,7 +15,7 @@ from orchestrator.store.checkpoints import step_of
 from orchestrator.host.journal import Journal
 from orchestrator.host.metrics import Metrics
 from orchestrator.config.recipe import Recipe
-from orchestrator.store.sync import retain
+from orchestrator.store.sync import InFlight
 from orchestrator.types import Alert, CheckpointInfo, Resume
 
 
@@ -24,9 +24,11 @@ PRUNING = ".orchestrator-pruning-"   # a checkpoint being deleted by retention
 
 class CheckpointTracker:
     def __init__(self, recipe: Recipe, recipe_hash: str, out: Path, journal: Journal, metrics: Metrics,
-                 on_saved: Callable[[], None]):
-        """`on_saved`: a verified checkpoint (and its manifest) is ready to sync."""
+                 on_saved: Callable[[], None], in_flight: InFlight | None = None):
+        """`on_saved`: a verified checkpoint (and its manifest) is ready to sync. `in_flight`: the checkpoint
+        the publisher is copying, never pruned."""
         self.recipe, self.hash, self.out = recipe, recipe_hash, out
+        self.in_flight = in_flight or InFlight()
         self.journal, self.metrics, self.on_saved = journal, metrics, on_saved
         self.seen: dict[str, bool] = {}  # path -> verified ok; complete checkpoints are verified once
         self.stale: dict[str, float | None] = {}  # path -> marker mtime: the old save a relaunch will rewrite
@@ -120,42 +122,45 @@ class CheckpointTracker:
     def resume_from(self, best: CheckpointInfo) -> Resume:
         return Resume(best.path, best.step, weights_only=not self.recipe.checkpoint.keep_optimizer)
 
-    def prune(self, keep: int, pressure: bool, writing: bool = True) -> int:
+    def prune(self, keep: int, pressure: bool, writing: bool = True, trusted_through: int | None = None) -> int:
         """Local retention (retention.plan_prune) over the checkpoints verified so far: a checkpoint being
         written was never verified, so it is never a candidate. Each deletion is a rename out of the
         checkpoint namespace first, so a kill -9 mid-delete leaves no half checkpoint under its name.
+        `trusted_through`: the last step read from the trainer's log without a NaN; a save after it may hold
+        poisoned weights, so it neither counts among the newest kept nor supersedes anything yet.
         Returns how many were deleted."""
-        rows = [c for c in self.journal.checkpoints() if c["ok"]]
-        wanted = retain({c["step"]: c["loss"] for c in rows}, self.recipe.checkpoint.keep_persistent)
-        synced = {c["step"] for c in rows if c["synced_at"]}
         kv = self.journal.get_all()
-        merged_synced = set(kv.get("merged_synced") or ())  # sidecar.report keeps it
-        pending = (kv.get("nan_pending") or {}).get("step")  # a NaN seen, not yet quarantined: keep everything
-        if pending is not None:
+        if (kv.get("nan_pending") or {}).get("step") is not None:  # a NaN seen, not yet quarantined: keep all
             return 0
-        local = [retention.Local(s, p, True, ok, s in synced, p + "-merged" if os.path.isdir(p + "-merged") else None,
-                                 s not in wanted, merged_published=s in merged_synced)
-                 for p, ok in self.seen.items() if os.path.isdir(p) and (s := step_of(p)) is not None]
-        if not writing:
-            local += [retention.Local(i.step, i.path, False, False, False) for i in
-                      checkpoints.scan(self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys())
-                      if not i.complete]
-        done = 0
-        for prune in retention.plan_prune(local, keep, self.recipe.run.persistent_dir is not None,
-                                          keep_merged=False, pressure=pressure, writing=writing):
-            path = Path(prune.path)
-            doomed = path.with_name(f"{PRUNING}{path.name}")
-            try:
-                path.rename(doomed)
-            except OSError as e:
-                self.journal.event("prune_failed", f"{path.name}: {e.strerror or e}")
-                continue
-            self.seen.pop(prune.path, None)
-            shutil.rmtree(doomed, ignore_errors=True)
-            self.journal.event("prune", f"deleted local {path.name}: {prune.reason}")
+        synced = {c["step"] for c in self.journal.checkpoints() if c["ok"] and c["synced_at"]}
+        merged_synced = set(kv.get("merged_synced") or ())  # sidecar.report keeps it
+        newest = max((step_of(p) for p, ok in self.seen.items() if ok and (trusted_through is None or
+                      step_of(p) <= trusted_through)), default=-1)
+        torn = [] if writing else [retention.Local(i.step, i.path, False, False, False) for i in checkpoints.scan(
+            self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys()) if not i.complete]
+        doomed = []
+        with self.in_flight.lock:  # decided and renamed before the publisher can take one of them
+            # the publisher copies only the newest: an older unpublished one never will be (superseded)
+            local = [retention.Local(s, p, True, ok and s <= newest, s in synced, p + "-merged" if
+                                     os.path.isdir(p + "-merged") else None, s < newest, merged_published=s in merged_synced)
+                     for p, ok in self.seen.items()
+                     if p != self.in_flight.path and os.path.isdir(p) and (s := step_of(p)) is not None]
+            for prune in retention.plan_prune(local + torn, keep, self.recipe.run.persistent_dir is not None,
+                                              keep_merged=False, pressure=pressure, writing=writing):
+                path = Path(prune.path)
+                try:
+                    path.rename(path.with_name(f"{PRUNING}{path.name}"))
+                except OSError as e:
+                    self.journal.event("prune_failed", f"{path.name}: {e.strerror or e}")
+                    continue
+                doomed.append((prune.path, prune.reason))
+        for name, reason in doomed:
+            path = Path(name)
+            self.seen.pop(name, None)
+            shutil.rmtree(path.with_name(f"{PRUNING}{path.name}"), ignore_errors=True)
+            self.journal.event("prune", f"deleted local {path.name}: {reason}")
             self.metrics.pruned(pressure)
-            done += 1
-        return done
+        return len(doomed)
 
     def export_staging(self, checkpoint: str) -> Path:
         """The empty directory the final export writes into (a failed export's leftovers removed first:
@@ -187,13 +192,12 @@ class CheckpointTracker:
         for d in sorted(self.out.glob("checkpoint-*")):
             m = checkpoints.CKPT_RE.fullmatch(d.name) or checkpoints.MERGED_RE.fullmatch(d.name)
             if m and step_of(d) >= nan_step:
-                target = d.with_name(f"{d.name}.nan-attempt-{attempt_n}")
+                target = checkpoints.quarantine_name(d, attempt_n)
                 d.rename(target)
                 self.seen.pop(str(d), None)
                 self.journal.event("quarantine", f"{d.name} was written at or after the NaN at step {nan_step}: "
                                    f"moved to {target.name}, never resumed from")
         self._repoint_last_checkpoint(nan_step)
-        self.journal.put(nan_pending=None)
 
     def _repoint_last_checkpoint(self, below: int) -> None:
         """ms-swift's last-checkpoint must not name a quarantined step: the relaunch writes a new,

@@ -51,6 +51,11 @@ def arguments(r: Recipe, resume: Resume | None, save_steps: int | None = None) -
         ("save_total_limit", c.save_total_limit), ("ddp_timeout", p.ddp_timeout_s),
         # the shards written in the background; complete once last-checkpoint names it (store/checkpoints.py)
         ("async_save", c.async_save),
+        # megatron-core 0.16's forked async save frees its pinned copies of the GPU tensors while the child still
+        # writes them, and pinned memory is shared across fork, not copy-on-write (NVIDIA/Megatron-LM PR #2288):
+        # the DataLoader's pinned batches could reuse them and overwrite LoRA weights in the checkpoint. Batches
+        # of a few KiB lose nothing unpinned; extra_args.dataloader_pin_memory still wins.
+        ("dataloader_pin_memory", False if c.async_save and "dataloader_pin_memory" not in r.extra_args else None),
     ]
     if resume is None:
         pairs.append(("finetune", True))
