@@ -40,7 +40,8 @@ def fake_recipe(tmp: Path, *, iterations: int = 40, save_steps: int = 10, faults
     fake = {
         "run": {"persistent_dir": "persist", "entrypoint": [sys.executable, FAKE]},
         "optim": {"iterations": iterations, "global_batch_size": 8},
-        "checkpoint": {"save_steps": save_steps, "sync_interval_s": 30},
+        # a round after every verified save (runs of seconds would never reach the default 30-min cadence)
+        "checkpoint": {"save_steps": save_steps, "sync_interval_s": 30, "publish_interval_s": 0},
         "gpu": {"check": False},
         "metrics": {"listen": "127.0.0.1:0", "linger_s": 0},
         "env": {"vars": env},
