@@ -3,6 +3,8 @@ attempt (kind "export") of the same loop; its merged copy takes its published na
 Split out of supervisor.py by concern (the same object: Supervisor inherits it)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from orchestrator.types import Crash, CrashClass, Phase, State
 from orchestrator.watch import AttemptWatch
 
@@ -33,6 +35,21 @@ class ExportPhase:
         self.journal.event("merged", f"verified {final.name} ({a.resume.path} merged): published by the sync")
         self.sidecar.trigger()
         return State.COMPLETED
+
+    def _trained_to_the_end(self, resume, before: AttemptWatch | None) -> State | None:
+        """The newest verified checkpoint is the last step's (the trainer ran on to the end while it was being
+        stopped, say): nothing is left to train, and ms-swift resumed from it would train a step past the end.
+        COMPLETED, or with checkpoint.merge = "final" the export next; None when steps are left."""
+        total = self.recipe.optim.iterations or (before.last.max_steps if before and before.last else None)
+        if resume is None or not total or resume.step < total:
+            return None
+        self.journal.event("training_done", f"{Path(resume.path).name} is the checkpoint of the last step ({total}): "
+                           "nothing left to train, no relaunch")
+        if self.recipe.checkpoint.merge != "final":
+            return State.COMPLETED
+        self.training_done = {"step": resume.step, "recipe_hash": self.hash}
+        self.journal.put(training_done=self.training_done)
+        return State.VERIFYING  # the export is the next launch
 
     def _export_phase(self) -> bool:
         """Training of a checkpoint.merge = "final" run is over (this supervisor saw it, or the journal says so

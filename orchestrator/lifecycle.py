@@ -120,3 +120,12 @@ class RunLifecycle:
         self.lock.release()
         self.publish_lock.release()
         self.sidecar = self.lock = self.publish_lock = None
+
+    def _stop(self) -> State:
+        a = self.attempt
+        self.journal.event("stop", f"stopping: {self.stop_reason}")
+        self.host.terminate(self.run_id, {a.launched.pid}, self.recipe.supervisor.grace_s)
+        self.host.wait_exit(a.launched, 10)  # the exit status is recorded right after terminate()
+        self._drain(a)  # the steps and the checkpoint it wrote on the way out
+        self._finish_attempt(Crash(CrashClass.OTHER, (f"stopped by orchestrator: {self.stop_reason}",)), stopped=True)
+        return State.STOPPED

@@ -11,6 +11,7 @@ rebuilt from the journal on start, so a restarted supervisor remembers crashes a
                  still not clear -> stay here with backoff (never launch onto busy GPUs)
                                                                               -> LAUNCHING | RELAUNCHING
     (RE)LAUNCHING  render from the newest good checkpoint, start the process group  -> RUNNING
+                 (that checkpoint is the last step's: -> COMPLETED, or VERIFYING for the export)
     RUNNING      gather -> detect (exit, hang, NaN, resume divergence, new checkpoints) -> act
                  hang: no new step within the attempt's timer (5 x its longest step gap once it has shown
                  its pace and a save, hang_floor_s..hang_timeout_s) and no save being written
@@ -26,7 +27,7 @@ rebuilt from the journal on start, so a restarted supervisor remembers crashes a
     STOPPING     SIGTERM the training, grace, final sync                     -> STOPPED
     COMPLETED, STOPPED -> exit 0;  GAVE_UP -> exit 3
 
-PREFLIGHT and the shutdown are in lifecycle.py, the states between attempts (VERIFYING, CRASHED, CLEANING,
+PREFLIGHT, STOPPING and the shutdown are in lifecycle.py, the states between attempts (VERIFYING, CRASHED, CLEANING,
 WAITING/BACKOFF) in recovery.py, the final export's in export_phase.py: the same object, split by concern.
 """
 from __future__ import annotations
@@ -157,6 +158,8 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
         r, before = self.recipe, self.attempt
         resume = self.checkpoints.resume_point()
         export = self._export_phase()
+        if not export and (done := self._trained_to_the_end(resume, before)):
+            return done
         if export and resume is None:
             self.exit_reason = "training finished but no verified checkpoint is left to export"
             self.journal.event("export", self.exit_reason)
@@ -290,15 +293,6 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
         a.crash = crash
         return State.CRASHED
 
-    def _stop(self) -> State:
-        a = self.attempt
-        self.journal.event("stop", f"stopping: {self.stop_reason}")
-        self.host.terminate(self.run_id, {a.launched.pid}, self.recipe.supervisor.grace_s)
-        self.host.wait_exit(a.launched, 10)  # the exit status is recorded right after terminate()
-        self._drain(a)  # the steps and the checkpoint it wrote on the way out
-        self._finish_attempt(Crash(CrashClass.OTHER, (f"stopped by orchestrator: {self.stop_reason}",)), stopped=True)
-        return State.STOPPED
-
     # --- helpers ------------------------------------------------------------------------------
     def _sleep(self, seconds: float) -> bool:
         """A deliberate wait: interruptible by a stop, and the loop keeps reporting (watchdog, spot).
@@ -340,8 +334,7 @@ class Supervisor(RunLifecycle, Recovery, ExportPhase):
         self._scan_checkpoints(force=True)
 
     def _quarantine(self, nan_step: int, attempt_n: int) -> None:
-        """Local copies first (no round can publish one again), then the published ones (under the sync lock);
-        nan_pending cleared only after both: a supervisor killed in between redoes them before any restore."""
+        """Local copies first (no round can republish one), then the published; nan_pending cleared after both."""
         self.checkpoints.quarantine(nan_step, attempt_n)
         self.sidecar.quarantine(nan_step, attempt_n)
         self.journal.put(nan_pending=None)

@@ -222,3 +222,25 @@ def test_a_verified_merged_copy_completes_a_restarted_run(world):
     again, host2 = world(**FINAL)
     drive(again, State.COMPLETED)
     assert not host2.trainers and (again.out / f"checkpoint-{MAX}-merged").is_dir()
+
+
+@pytest.mark.parametrize("merge, after", [("never", State.COMPLETED), ("final", State.VERIFYING)])
+def test_a_checkpoint_of_the_last_step_is_never_relaunched_from(world, merge, after):
+    """A trainer stopped as hung that ran on to the end while it was being stopped (seen on Slurm: TERM + CONT
+    let the tiny model finish): ms-swift resumed from the last step's checkpoint trains a step past the end.
+    Nothing is launched: COMPLETED, or with merge = "final" the export next."""
+    sup, host = world(checkpoint={"merge": merge}, lora=FINAL["lora"])
+    drive(sup, State.RUNNING)
+    t = host.trainers[-1]
+    t.steps(1, 5, MAX)
+    t.write(OOM)
+    t.exit(code=1)
+    assert sup.step() is State.CRASHED
+    make_megatron(sup.out, MAX)  # written on the way out
+    drive(sup, State.RELAUNCHING)
+    assert sup.step() is after and len(host.trainers) == 1
+    j = journal(sup)
+    assert any("checkpoint of the last step" in e["message"] for e in j.events() if e["kind"] == "training_done")
+    if merge == "final":
+        drive(sup, State.RUNNING)
+        assert j.last_attempt().kind == "export" and "export" in host.trainers[-1].cmd.argv
