@@ -143,10 +143,14 @@ def test_sigstopped_trainer_is_detected_as_hung_and_restarted(tiny, tmp_path):
     assert sup.run() == ExitCode.OK
     assert stopped
     runs = attempts(tmp_path / "out")
-    assert [a.cls for a in runs] == [CrashClass.NCCL_TIMEOUT_HANG, None]
     assert "no new training step" in runs[0].evidence[0]
     # The SIGTERM that ends the hung attempt lets swift's JIT checkpoint save (after SIGCONT the
-    # trainer runs on for up to ~3 s first, so on a fast machine that save may even be the last step).
-    resumed = int(Path(runs[1].resumed_from).name.split("-")[1])
-    assert resumed >= 10 and runs[1].start_step == resumed and runs[1].end_step >= 30
-    assert set(range(1, 31)) <= set(losses(tmp_path)), "every step was logged"
+    # trainer runs on for up to ~3 s first, so on a fast machine that save may even be the last step:
+    # then nothing is relaunched, since ms-swift resumed from it would train a step past the end).
+    if len(runs) == 1:
+        assert runs[0].cls is CrashClass.NCCL_TIMEOUT_HANG and (tmp_path / "out" / "checkpoint-30").is_dir()
+    else:
+        assert [a.cls for a in runs] == [CrashClass.NCCL_TIMEOUT_HANG, None]
+        resumed = int(Path(runs[1].resumed_from).name.split("-")[1])
+        assert resumed >= 10 and runs[1].start_step == resumed and runs[1].end_step >= 30
+    assert set(range(1, 31)) == set(losses(tmp_path)), "every step was logged, none past the end"
