@@ -94,7 +94,7 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
     assert kept["saved_at"] < kept["verified_at"]
     # (from the save, or from the first step seen when the supervisor saw it only after the save: before it is startup)
     assert g.lost["lost_progress"] == pytest.approx(first.ended_at - max(kept["saved_at"], first.first_step_at), abs=0.01)
-    assert g.lost["lost_progress"] > 0.05
+    assert g.lost["lost_progress"] > 0  # 3+ tiny-model steps: 0.04-0.1 s, so no firmer floor (CI saw 0.039)
 
     # the next commands, as printed, work from where the demo ran
     commands = {line.split()[1]: shlex.split(line.split("  #")[0]) for line in p.stdout.splitlines()
