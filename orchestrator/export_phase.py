@@ -16,10 +16,17 @@ class ExportPhase:
         if self.recipe.checkpoint.merge != "final":
             return State.COMPLETED
         self._finish_attempt(Crash(CrashClass.OTHER), stopped=True)
-        self.training_done = {"step": a.last.step if a.last else None, "recipe_hash": self.hash}
-        self.journal.put(training_done=self.training_done)
+        state = self._training_done(a.last.step if a.last else None)
         self.journal.event("training_done", f"training finished at step {self.training_done['step']}: exporting "
                            "the merged model of the newest verified checkpoint (checkpoint.merge = \"final\")")
+        return state
+
+    def _training_done(self, step: int | None) -> State:
+        """COMPLETED, or with checkpoint.merge = "final" the export next: recorded in the journal first."""
+        if self.recipe.checkpoint.merge != "final":
+            return State.COMPLETED
+        self.training_done = {"step": step, "recipe_hash": self.hash}
+        self.journal.put(training_done=self.training_done)
         return State.VERIFYING  # the trainer's GPUs must be clear before the export loads the model again
 
     def _export_finished(self, a: AttemptWatch) -> State:
@@ -45,11 +52,7 @@ class ExportPhase:
             return None
         self.journal.event("training_done", f"{Path(resume.path).name} is the checkpoint of the last step ({total}): "
                            "nothing left to train, no relaunch")
-        if self.recipe.checkpoint.merge != "final":
-            return State.COMPLETED
-        self.training_done = {"step": resume.step, "recipe_hash": self.hash}
-        self.journal.put(training_done=self.training_done)
-        return State.VERIFYING  # the export is the next launch
+        return self._training_done(resume.step)
 
     def _export_phase(self) -> bool:
         """Training of a checkpoint.merge = "final" run is over (this supervisor saw it, or the journal says so

@@ -300,7 +300,7 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
             if ck.step_of(n) not in kept:
                 _remove(persistent / n)
                 deleted.append(n)
-        newest_pub, newest_local = max(kept, default=None), max(local, default=None)
+        newest_pub, newest_local = max(kept, default=None), newest
         behind = sorted(s for s in local if newest_pub is None or s > newest_pub)  # what losing the node loses
         lag_s = None if newest_local is None else 0.0 if not behind else \
             max(0.0, time.time() - Path(local[behind[0]].path).stat().st_mtime)

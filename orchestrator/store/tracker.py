@@ -97,8 +97,10 @@ class CheckpointTracker:
         """Why the newest checkpoint failed verification when it is the one saved at `step`; () otherwise."""
         return self.newest_problems if self.newest_verdict == (step, False) else ()
 
-    def newest_good_step(self) -> int:
-        return max((step_of(p) for p, ok in self.seen.items() if ok), default=-1)
+    def newest_good_step(self, through: int | None = None) -> int:
+        """The newest verified step (no later than `through`), -1 if none."""
+        steps = (step_of(p) for p, ok in self.seen.items() if ok)
+        return max((s for s in steps if through is None or s <= through), default=-1)
 
     def forget_after(self, step: int) -> None:
         """A new attempt rewrites every checkpoint after its resume point, in place: until a rewrite's
@@ -134,8 +136,7 @@ class CheckpointTracker:
             return 0
         synced = {c["step"] for c in self.journal.checkpoints() if c["ok"] and c["synced_at"]}
         merged_synced = set(kv.get("merged_synced") or ())  # sidecar.report keeps it
-        newest = max((step_of(p) for p, ok in self.seen.items() if ok and (trusted_through is None or
-                      step_of(p) <= trusted_through)), default=-1)
+        newest = self.newest_good_step(trusted_through)
         torn = [] if writing else [retention.Local(i.step, i.path, False, False, False) for i in checkpoints.scan(
             self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys()) if not i.complete]
         doomed = []
