@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrator.config import estimate
+from orchestrator.config.model_shape import known_config
 from orchestrator.host import gpu
 from orchestrator.host.launch import local as launcher, slurm
 from orchestrator.domain import storage
@@ -52,7 +52,7 @@ def model_config(r: Recipe) -> tuple[dict | None, int | None]:
         total_bytes = int(index["metadata"]["total_size"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return read_model_config(r) or estimate.known_config(r.model.path), total_bytes
+    return read_model_config(r) or known_config(r.model.path), total_bytes
 
 
 def storage_budget(r: Recipe) -> tuple[storage.StorageBudget, dict[str, dict]]:

@@ -5,6 +5,7 @@ import pytest
 
 from conftest import MINIMAL, ROOT, merge
 from orchestrator.config import estimate as E
+from orchestrator.config import model_shape as M
 from orchestrator.ops import plan
 from orchestrator.config import recipe as R
 from orchestrator.types import GpuSnapshot
@@ -14,7 +15,7 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "num_hidden_layers": 48, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
              "moe_intermediate_size": 768, "intermediate_size": 6144, "num_attention_heads": 32,
              "num_key_value_heads": 4, "head_dim": 128, "tie_word_embeddings": False}
-SHAPE = E.shape_from_config(E.KNOWN_CONFIGS["qwen3-235b-a22b"])
+SHAPE = M.shape_from_config(M.KNOWN_CONFIGS["qwen3-235b-a22b"])
 NO_CAPACITY = GpuSnapshot(error="no driver")
 
 
@@ -27,7 +28,7 @@ def recipe(*overrides: str, **sections) -> R.Recipe:
 # --- shape_from_config ---------------------------------------------------------------------------
 
 def test_shape_qwen3_moe():
-    s = E.shape_from_config(QWEN3_MOE)
+    s = M.shape_from_config(QWEN3_MOE)
     assert (s.layers, s.hidden, s.vocab, s.experts, s.moe_inter) == (48, 2048, 151936, 128, 768)
     assert s.expert_params == 48 * 128 * 3 * 2048 * 768
     assert 30.0e9 < s.total_params < 31.0e9
@@ -44,23 +45,23 @@ def test_shape_qwen3_moe():
     ({**QWEN3_MOE, "hidden_size": "2048"}, "hidden", 2048),
 ])
 def test_shape_variants(cfg, field, value):
-    assert getattr(E.shape_from_config(cfg), field) == value
+    assert getattr(M.shape_from_config(cfg), field) == value
 
 
 def test_shape_total_bytes_win():
-    s = E.shape_from_config({**QWEN3_MOE, "total_params": 1e9}, total_bytes=61_000_000_000)
+    s = M.shape_from_config({**QWEN3_MOE, "total_params": 1e9}, total_bytes=61_000_000_000)
     assert s.total_params == 30.5e9
-    assert E.shape_from_config(QWEN3_MOE, total_bytes=8, dtype_bytes=4).total_params == 2
+    assert M.shape_from_config(QWEN3_MOE, total_bytes=8, dtype_bytes=4).total_params == 2
 
 
 def test_shape_expert_params_capped_by_total():
-    s = E.shape_from_config(QWEN3_MOE, total_bytes=2_000)
+    s = M.shape_from_config(QWEN3_MOE, total_bytes=2_000)
     assert s.expert_params == s.total_params == 1000
 
 
 def test_shape_without_head_dim():
-    s = E.shape_from_config({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"})
-    assert s.total_params < E.shape_from_config(QWEN3_MOE).total_params  # head_dim 2048/32 = 64 < 128
+    s = M.shape_from_config({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"})
+    assert s.total_params < M.shape_from_config(QWEN3_MOE).total_params  # head_dim 2048/32 = 64 < 128
 
 
 @pytest.mark.parametrize("cfg", [{}, {"hidden_size": 8}, {"hidden_size": 8, "num_hidden_layers": 2},
@@ -68,7 +69,7 @@ def test_shape_without_head_dim():
                                  {"hidden_size": None, "num_hidden_layers": 2, "vocab_size": 3},
                                  {"text_config": {"vocab_size": 3}}])
 def test_shape_unreadable(cfg):
-    assert E.shape_from_config(cfg) is None
+    assert M.shape_from_config(cfg) is None
 
 
 @pytest.mark.parametrize("path,key", [
@@ -81,12 +82,12 @@ def test_shape_unreadable(cfg):
     ("/models/my-Qwen3-235B-A22B", None),
 ])
 def test_known_config(path, key):
-    assert E.known_config(path) is (E.KNOWN_CONFIGS[key] if key else None)
+    assert M.known_config(path) is (M.KNOWN_CONFIGS[key] if key else None)
 
 
 @pytest.mark.parametrize("key,total", [("qwen3.5-397b-a17b", 397e9), ("qwen3-235b-a22b", 235e9)])
 def test_known_configs_are_plausible(key, total):
-    s = E.shape_from_config(E.KNOWN_CONFIGS[key])
+    s = M.shape_from_config(M.KNOWN_CONFIGS[key])
     assert s.total_params == total
     assert 0.8 * total < s.expert_params < total
     assert s.experts in (128, 512)
@@ -267,7 +268,7 @@ def test_demo_recipe_estimate_has_no_capacity():
 
 # --- counted from the config the way megatron-core / mcore-bridge build the model ----------------
 
-QWEN35 = E.shape_from_config(E.KNOWN_CONFIGS["qwen3.5-397b-a17b"])
+QWEN35 = M.shape_from_config(M.KNOWN_CONFIGS["qwen3.5-397b-a17b"])
 
 
 def test_qwen35_structure():
@@ -279,18 +280,18 @@ def test_qwen35_structure():
 
 @pytest.mark.parametrize("key,total", [("qwen3.5-397b-a17b", 397e9), ("qwen3-235b-a22b", 235e9)])
 def test_counted_params_match_published_total(key, total):
-    s = E.shape_from_config({k: v for k, v in E.KNOWN_CONFIGS[key].items() if k != "total_params"})
+    s = M.shape_from_config({k: v for k, v in M.KNOWN_CONFIGS[key].items() if k != "total_params"})
     assert s.total_params == pytest.approx(total, rel=0.005)
 
 
 def test_layer_types_list_wins_over_interval():
-    cfg = {**E.KNOWN_CONFIGS["qwen3.5-397b-a17b"], "num_hidden_layers": 4,
+    cfg = {**M.KNOWN_CONFIGS["qwen3.5-397b-a17b"], "num_hidden_layers": 4,
            "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"]}
-    assert E.shape_from_config(cfg).layer_kinds == ("attn+moe", "gdn+moe", "gdn+moe", "attn+moe")
+    assert M.shape_from_config(cfg).layer_kinds == ("attn+moe", "gdn+moe", "gdn+moe", "attn+moe")
 
 
 def test_dense_layers_of_a_moe():
-    s = E.shape_from_config({**QWEN3_MOE, "mlp_only_layers": [0, 1]})
+    s = M.shape_from_config({**QWEN3_MOE, "mlp_only_layers": [0, 1]})
     assert s.layer_kinds[:3] == ("attn+mlp", "attn+mlp", "attn+moe")
     assert s.expert_params == 46 * 128 * 3 * 2048 * 768
 

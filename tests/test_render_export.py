@@ -31,7 +31,7 @@ def recipe_with_model(write_recipe, tmp_path, config: dict, **sections):
 
 
 def test_shipped_397b_export_builds_the_mtp_layer():
-    """No model dir where the tests run: the published config (estimate.KNOWN_CONFIGS) says 1 MTP layer."""
+    """No model dir where the tests run: the published config (model_shape.KNOWN_CONFIGS) says 1 MTP layer."""
     (path,) = [p for p in RECIPES if p.name == "qwen3.5-397b-a17b-lora-ep8.toml"]
     r = R.load(path)
     assert "mtp_num_layers" not in r.extra_args  # the training does not train MTP (see the recipe)

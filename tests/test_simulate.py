@@ -322,6 +322,11 @@ def test_simulate_command(tmp_path):
     assert d["inputs"]["save_steps"] == "auto" and d["inputs"]["ready_s"] == 5.0
     text = CliRunner().invoke(main, ["simulate", "--seeds", "2", "--save-steps", "100", "--fixed-wait"]).output
     assert "orchestrator ETT" in text and "plain" in text and "sleep 90" in text and "after the fixed" in text
-    for bad in (["--save-steps", "0"], ["--crash-rate", "-1"], ["--write-gib-s", "0"]):
+    quick = _json.loads(CliRunner().invoke(
+        main, ["simulate", "--mix", "harsh", "--seeds", "4", "--json", "--startup-s", "120"]).output)
+    assert d["inputs"]["startup_s"] == 480.0 and quick["inputs"]["startup_s"] == 120.0
+    for loop in LOOPS:  # both loops start the same model on the same node
+        assert quick[loop]["lost"]["startup"] < d[loop]["lost"]["startup"] / 2
+    for bad in (["--save-steps", "0"], ["--crash-rate", "-1"], ["--write-gib-s", "0"], ["--startup-s", "0"]):
         r = CliRunner().invoke(main, ["simulate", *bad])
         assert r.exit_code == 2 and "error" in r.output

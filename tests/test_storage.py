@@ -20,7 +20,7 @@ from orchestrator.domain import storage
 from orchestrator import preflight
 from orchestrator.config import recipe as R
 from orchestrator.ops.cli import main
-from orchestrator.config.estimate import known_config
+from orchestrator.config.model_shape import known_config, shape_from_config
 
 GIB, MIB = 1024**3, 1024**2
 R397 = next(p for p in RECIPES if p.name.startswith("qwen3.5-397b"))
@@ -86,7 +86,7 @@ def test_mcore_count_is_the_memory_estimates():
     """One shape derivation: the checkpoint's mcore LoRA parameters are the memory estimate's, whose shipped
     recipe (EP 8) holds 91.1M dense + 1384.1M expert = 1475M per GPU (5,767,168 x 60 x 32 / 8 on experts)."""
     r = R.load(R397)
-    shape = E.shape_from_config(known_config(r.model.path))
+    shape = shape_from_config(known_config(r.model.path))
     dense, expert = E.lora_params(r, shape)
     assert (dense, expert) == (91_115_520, 5_767_168 * 60 * 32 / 8) and round((dense + expert) / 1e6) == 1475
     whole = storage.lora_params(known_config(r.model.path), r.lora.rank, r.lora.target_modules, "mcore")

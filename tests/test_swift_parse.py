@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from orchestrator.config import estimate
+from orchestrator.config import model_shape
 from orchestrator.ops import tiny
 from orchestrator.config import recipe as R
 from orchestrator.config.render import command
@@ -61,7 +61,7 @@ def checkpoint(d: Path, adapter_target: list[str]) -> Path:
 def large_recipe(name: str, tmp: Path) -> R.Recipe:
     model = tmp / Path(R.load(ROOT / "recipes" / name).model.path).name  # ms-swift matches templates by name
     model.mkdir()
-    cfg = dict(estimate.KNOWN_CONFIGS[LARGE[name]])
+    cfg = dict(model_shape.KNOWN_CONFIGS[LARGE[name]])
     cfg.pop("total_params")
     cfg["architectures"] = ["Qwen3_5MoeForConditionalGeneration" if "3.5" in name else "Qwen3MoeForCausalLM"]
     if "vision_config" in cfg:  # Qwen3.5 is multimodal: text keys live under text_config

@@ -1,7 +1,7 @@
 """Storage budget of a run: bytes per save for each part the recipe produces, the local and persistent
 bytes retention keeps, and the copy bandwidth publishing needs. Pure (plan.py measures the disks).
 
-Sizes come from the model's config (a HF config.json, or estimate.KNOWN_CONFIGS) and the LoRA shapes:
+Sizes come from the model's config (a HF config.json, or model_shape.KNOWN_CONFIGS) and the LoRA shapes:
 - adapter: `adapter_model.safetensors` (PEFT, HF module names: an expert's gate/up/down are 3 matrices,
   linear_qkv is q/k/v_proj, each with its own copy of A), unless megatron saves without it
   (checkpoint.save_safetensors false, the default with merge = "final"),
@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from orchestrator.config.estimate import lora_param_counts, shape_from_config, target_kinds
+from orchestrator.config.estimate import lora_param_counts, target_kinds
+from orchestrator.config.model_shape import shape_from_config
 from orchestrator.domain.interval import starting_choice
 from orchestrator.config.recipe import Recipe
 
@@ -30,7 +31,7 @@ ADAM_FP32_BYTES = 12          # fp32 master copy + exp_avg + exp_avg_sq per LoRA
 RNG_SCHEDULER_BYTES_PER_RANK = 64 << 10
 
 # Seconds per optimizer step when the recipe gives no checkpoint.step_time_s, keyed like
-# estimate.KNOWN_CONFIGS (model directory name prefix):
+# model_shape.KNOWN_CONFIGS (model directory name prefix):
 # - qwen3.5-397b-a17b: the field run on 8x H200 saved every ~30 min at 100 steps per save -> 18 s;
 # - qwen3-235b-a22b: ms-swift's examples/megatron/lora/qwen3_235b.sh header, "8 * 80GiB, 3.2s/it".
 DEFAULT_STEP_TIME_S: dict[str, float] = {"qwen3.5-397b-a17b": 18.0, "qwen3-235b-a22b": 3.2}
@@ -78,7 +79,7 @@ def lora_params(cfg: Mapping, rank: int, targets: list[str], layout: str) -> int
 
 def total_params(cfg: Mapping, total_bytes: int | None, dtype_bytes: int) -> float:
     """The whole model's parameters: from model.safetensors.index.json's total_size when read, else the
-    config's total_params (estimate.KNOWN_CONFIGS), else counted from the shapes (estimate.py)."""
+    config's total_params (model_shape.KNOWN_CONFIGS), else counted from the shapes (model_shape.py)."""
     shape = shape_from_config(dict(cfg), total_bytes, dtype_bytes)
     return shape.total_params if shape else 0.0
 

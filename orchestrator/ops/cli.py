@@ -6,7 +6,6 @@ takes a recipe takes `--set dotted.key=value` overrides, validated like the file
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -57,60 +56,11 @@ def main() -> None:
 @click.option("--no-probe", is_flag=True, help="Skip the write-speed probe of output_dir and persistent_dir.")
 def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool, no_probe: bool) -> None:
     """Validate RECIPE; print the exact command, the recipe hash, memory and storage budgets and pre-flight checks."""
-    from orchestrator.ops.plan import plan as make_plan
+    from orchestrator.ops.plan import plan as make_plan, plan_text
 
     p = make_plan(load_recipe(recipe, overrides), probe=not no_probe)
-    code = 0 if p["would_run"] else int(ExitCode.BAD_INPUT)
-    if as_json:
-        click.echo(json.dumps(p, indent=2))
-        sys.exit(code)
-    click.echo("# environment")
-    for k, v in p["env"].items():
-        click.echo(f"export {k}={shlex.quote(v)}")
-    click.echo("# command")
-    click.echo(shlex.join(p["argv"]))
-    click.echo(f"# recipe hash {p['recipe_hash']}")
-    m = p["memory"]
-    cap = f" of {m['capacity_gib']:.1f} GiB, margin {m['margin_gib']:.1f} GiB" if m["capacity_gib"] else ""
-    click.echo(f"# memory per GPU ~{m['total_gib']:.1f} GiB{cap}:")
-    for t in m["terms"]:
-        click.echo(f"#   {t['name']:<22} {t['gib']:7.2f} GiB  {t['detail']}")
-    for note in m["notes"]:
-        click.echo(f"#   note: {note}")
-    _print_storage(p["storage"])
-    si = p["save_interval"]
-    click.echo(f"# save interval: {si['steps']} steps ({si['mode']}): {si['reason']}")
-    click.echo("# pre-flight checks")
-    for c in p["checks"]:
-        click.echo(f"  [{'ok' if c['ok'] else 'NOT OK'}] {c['name']}: {c['detail']}")
-    failed = [c["name"] for c in p["checks"] if not c["ok"] and c["fatal"]]
-    click.echo(f"run would stop at pre-flight: {', '.join(failed)} failed (fix, then plan again)" if failed
-               else f"run would start: `orchestrator run {shlex.quote(str(recipe))}`")
-    sys.exit(code)
-
-
-def _print_storage(s: dict) -> None:
-    from orchestrator.domain.storage import gib
-
-    parts = ", ".join(f"{k} {gib(v)}" for k, v in s["per_save_bytes"].items())
-    click.echo(f"# storage per save {gib(sum(s['per_save_bytes'].values()))}: {parts}")
-    if s["final_merged_bytes"]:
-        click.echo(f"#   merged model after the last step (checkpoint.merge = \"final\"): {gib(s['final_merged_bytes'])}")
-    published = s["persistent_bytes"] is not None
-    click.echo(f"#   output_dir needs {gib(s['local_bytes'])}: keep_local {s['keep_local']} ({s['keep_local_source']}) "
-               "+ 1 being written" + (" + 1 being published" if published else "")
-               + ("; then the merged export" if s["final_merged_bytes"] else ""))
-    if published:
-        held = " (checkpoint.publish_interval_s)" if s["publish_every_s"] > s["save_interval_s"] else ""
-        click.echo(f"#   persistent_dir needs {gib(s['persistent_bytes'])}; publishing {gib(s['published_per_save_bytes'])} "
-                   f"every {s['publish_every_s'] / 60:.0f} min{held} needs {s['publish_bytes_per_s'] / 2**20:,.0f} MiB/s; "
-                   f"a save every {s['save_interval_s'] / 60:.0f} min (step {s['step_time_s']:g} s: {s['step_time_source']})")
-    for name, d in s["disks"].items():
-        speed = f"writes {d['write_bytes_per_s'] / 2**20:,.0f} MiB/s, {d['seconds_per_save']:,.0f} s per save" \
-            if d["write_bytes_per_s"] else d["probe"]
-        click.echo(f"#   {name} {d['path']}: {gib(d['free_bytes'])} free; {speed}")
-    for note in s["notes"]:
-        click.echo(f"#   note: {note}")
+    click.echo(json.dumps(p, indent=2) if as_json else plan_text(p, recipe))
+    sys.exit(0 if p["would_run"] else int(ExitCode.BAD_INPUT))
 
 
 @main.command()
@@ -365,51 +315,39 @@ def install_service_cmd(recipe: Path, name: str | None, dry_run: bool, unit_dir:
 @click.option("--write-gib-s", type=float, default=1.0, show_default=True, help="Checkpoint write speed, GiB/s.")
 @click.option("--ready-s", type=float, default=None, help="Verified-ready relaunch after an exit, s (default 5).")
 @click.option("--fixed-wait", is_flag=True, help="The orchestrator waits its fixed supervisor.wait_s instead.")
+@click.option("--startup-s", type=float, default=480.0, show_default=True,
+              help="Launch -> first step, s, both loops (the documented 8 minutes; `orchestrator status` shows a "
+                   "run's measured start-up).")
 @click.option("--startup-ratio", type=float, default=1.0, show_default=True,
-              help="A relaunch's start-up / the first one's, as measured (1: the documented 8 minutes each time).")
+              help="The orchestrator's relaunch start-up / the first one's, as measured (1: the same each time).")
 @click.option("--seeds", type=int, default=200, show_default=True)
 def simulate(recipe: Path | None, overrides: tuple[str, ...], as_json: bool, mix: str, crash_rate: float | None,
              save_steps: str | None, write_gib_s: float, ready_s: float | None, fixed_wait: bool,
-             startup_ratio: float, seeds: int) -> None:
+             startup_s: float, startup_ratio: float, seeds: int) -> None:
     """ETT of a long run kept alive by the orchestrator vs the field's plain restart loop (a seeded model).
 
     Save cost from RECIPE's storage budget (default: the shipped Qwen3.5-397B recipe's numbers) at
     --write-gib-s; the plain loop is the field's procedure: the merged copy at every save, every 100
     steps, `sleep 90`, no hang detection."""
     from orchestrator.domain import simulate_report as S
+    from orchestrator.ops.plan import simulate_inputs
 
     if save_steps is not None and save_steps != "auto" and not (save_steps.isdigit() and int(save_steps) > 0):
         fail(f"--save-steps must be auto or a positive number of steps, got {save_steps!r}")
     for name, v in (("--crash-rate", crash_rate), ("--write-gib-s", write_gib_s), ("--ready-s", ready_s),
-                    ("--startup-ratio", startup_ratio), ("--seeds", seeds)):
+                    ("--startup-s", startup_s), ("--startup-ratio", startup_ratio), ("--seeds", seeds)):
         if v is not None and (v < 0 or (v == 0 and name != "--crash-rate" and name != "--ready-s")):
             fail(f"{name} must be {'>= 0' if name in ('--crash-rate', '--ready-s') else '> 0'}, got {v}")
-    given = {"write_bytes_per_s": write_gib_s * 2**30, "crash_rate_per_h": crash_rate, "startup_ratio": startup_ratio,
+    given = {"write_bytes_per_s": write_gib_s * 2**30, "crash_rate_per_h": crash_rate, "startup_s": startup_s,
+             "startup_ratio": startup_ratio,
              "ready_s": None if fixed_wait else (S.DEFAULT_READY_S if ready_s is None else ready_s)}
     if recipe is not None:
-        given |= _simulate_bytes(load_recipe(recipe, overrides))
+        given |= simulate_inputs(load_recipe(recipe, overrides))
     steps = save_steps or given.pop("recipe_save_steps", "auto")
     given.pop("recipe_save_steps", None)
     d = S.ett_report(S.MIXES[mix],
                      S.Inputs(save_steps=steps if steps == "auto" else int(steps), **given), seeds)
     click.echo(json.dumps(d, indent=2) if as_json else S.format_report(d))
-
-
-def _simulate_bytes(r: Recipe) -> dict:
-    """Save bytes from a recipe's storage budget; the plain loop's from the same recipe with the field's merged copy."""
-    from orchestrator.ops import plan as P
-    from orchestrator.domain import storage
-
-    cfg, total = P.model_config(r)
-    own = storage.budget(r, cfg, total)
-    field = storage.budget(r.model_copy(update={"checkpoint": r.checkpoint.model_copy(update={"merge": "every_save"})}),
-                           cfg, total)
-    total_save = sum(own.per_save_bytes.values())
-    return {"orch_save_bytes": total_save, "orch_sync_bytes": total_save - storage.background_bytes(r, own.per_save_bytes),
-            "async_save": r.checkpoint.async_save, "ranks": storage.ranks(r),
-            "orch_final_bytes": own.final_merged_bytes,
-            "plain_save_bytes": sum(field.per_save_bytes.values()), "source": f"storage budget of {r.run.name}",
-            "recipe_save_steps": r.checkpoint.save_steps}
 
 
 @main.command(name="build-tiny")

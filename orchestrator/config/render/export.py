@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.config.estimate import known_config
+from orchestrator.config.model_shape import known_config
 from orchestrator.config.recipe import Recipe, read_model_config
 from orchestrator.config.render.argv import flags
 from orchestrator.config.render.command import _backend, environment
