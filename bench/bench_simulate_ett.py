@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -83,8 +84,8 @@ SENSITIVITY = "sensitivity: "
 
 def scenarios() -> list[tuple[str, S.Scenario]]:
     return [("field", S.FIELD), ("harsh", S.HARSH),
-            (SENSITIVITY + "field, plain-loop hang noticed in 1 h", S.with_(S.FIELD, plain_hang_s=3600.0)),
-            (SENSITIVITY + "field, give-up answered in 8 h", S.with_(S.FIELD, gave_up_response_s=8 * 3600.0))]
+            (SENSITIVITY + "field, plain-loop hang noticed in 1 h", replace(S.FIELD, plain_hang_s=3600.0)),
+            (SENSITIVITY + "field, give-up answered in 8 h", replace(S.FIELD, gave_up_response_s=8 * 3600.0))]
 
 
 def results(seeds: int = 200) -> list[tuple[str, S.Summary]]:

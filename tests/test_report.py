@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from orchestrator.ops import report
+from orchestrator.ops import report, status_view
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import load
@@ -105,7 +105,7 @@ def test_status_data_keeps_old_fields_and_adds_the_live_ones(opened):
 def test_status_view_renders_the_pieces(opened):
     r, j = opened
     console = Console(record=True, width=120, force_terminal=True, color_system=None)
-    report.status_view(r, j, console=console)
+    status_view.status_view(r, j, console=console)
     text = console.export_text()
     for piece in ("completed", "40/40", "━", "last crash", "nccl_error", "attempt 3 at step 32",
                   "ncclUnhandledCudaError", "step 40", "verified", "synced", "last synced step 40", "goodput",
@@ -195,7 +195,7 @@ def test_loss_summary_trend_sparkline_and_nan():
     nan = report.loss_summary(down + [Progress(51, 100, loss=math.nan)])
     assert nan["nan_step"] == 51 and nan["last_step"] == 50
     assert report.loss_summary([]) is None
-    assert report.sparkline([1, 2, 3]) == "▁▅█" and report.sparkline([2, 2]) == "▁▁"
+    assert status_view.sparkline([1, 2, 3]) == "▁▅█" and status_view.sparkline([2, 2]) == "▁▁"
 
 
 def test_steplog_reads_incrementally_last_record_per_step(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -9,7 +10,7 @@ from orchestrator import preflight
 from orchestrator.domain import simulate as S
 from orchestrator.domain import simulate_report as R
 from orchestrator.config.recipe import SupervisorSection
-from orchestrator.domain.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate, with_
+from orchestrator.domain.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate
 
 # No crash-loop backoff, no give-up: the policy reduces to its per-class waits.
 NO_GUARDS = SupervisorSection(max_crashes_per_hour=10**6, max_relaunches_without_progress=10**6)
@@ -23,7 +24,7 @@ def ratio(sc: Scenario, loop: str, seeds=range(50), cfg: SupervisorSection | Non
 # --- accounting ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("sc", [Scenario(), FLA, FIELD, HARSH, with_(HARSH, save_s=30.0)], ids=lambda s: s.name)
+@pytest.mark.parametrize("sc", [Scenario(), FLA, FIELD, HARSH, replace(HARSH, save_s=30.0)], ids=lambda s: s.name)
 def test_every_second_is_charged_once(sc, loop):
     for seed in range(5):
         r = simulate(sc, loop, seed)
@@ -58,7 +59,7 @@ def test_deterministic_with_a_seed():
 def test_more_frequent_saves_reduce_lost_progress(loop):
     lost = []
     for k in (1000, 500, 200, 100, 50, 20):
-        sm = S.summarize([simulate(with_(FLA, save_steps=k), loop, s, NO_GUARDS) for s in range(40)])
+        sm = S.summarize([simulate(replace(FLA, save_steps=k), loop, s, NO_GUARDS) for s in range(40)])
         lost.append(sm.lost_share["lost_progress"])
     assert lost == sorted(lost, reverse=True), lost
     assert lost[0] > 5 * lost[-1]
@@ -66,8 +67,8 @@ def test_more_frequent_saves_reduce_lost_progress(loop):
 
 def test_save_cost_makes_very_frequent_saves_worse():
     """With a save cost there is an optimum (Young/Daly): saving every step is worse than every 100."""
-    sc = with_(FLA, save_s=30.0)
-    assert ratio(with_(sc, save_steps=100), "plain") > ratio(with_(sc, save_steps=2), "plain")
+    sc = replace(FLA, save_s=30.0)
+    assert ratio(replace(sc, save_steps=100), "plain") > ratio(replace(sc, save_steps=2), "plain")
 
 
 @pytest.mark.parametrize("hangs_per_day,plain_hang_h,margin", [
@@ -129,7 +130,7 @@ def test_no_checkpoint_progress_gives_up():
 
 
 def test_port_held_after_a_crash_costs_the_plain_loop_only():
-    sc = with_(FLA, port_held_prob=1.0, port_hold_mean_s=600.0)
+    sc = replace(FLA, port_held_prob=1.0, port_hold_mean_s=600.0)
     plain, orch = simulate(sc, "plain", seed=2), simulate(sc, "orchestrator", seed=2)
     assert plain.crashes["port_in_use"] > plain.crashes["fla_backward_oom"]  # repeated restart cycles
     assert plain.lost["failed_launch"] > 0
@@ -145,7 +146,7 @@ def test_foreign_port_collision_is_a_free_immediate_retry():
 
 
 def test_stale_holders_repeat_cold_start_ooms_only_without_gpu_verification():
-    sc = with_(FLA, stale_prob=1.0, stale_mean_s=900.0, stale_killable=0.5)
+    sc = replace(FLA, stale_prob=1.0, stale_mean_s=900.0, stale_killable=0.5)
     plain, orch = S.summarize([simulate(sc, "plain", s) for s in range(20)]), \
         S.summarize([simulate(sc, "orchestrator", s) for s in range(20)])
     assert plain.crashes_per_run["cold_start_oom"] > plain.crashes_per_run["fla_backward_oom"]
@@ -250,7 +251,7 @@ def test_async_save_blocks_for_the_safetensors_and_the_staging_only():
 def test_a_crash_during_the_background_write_loses_that_save():
     """The save in flight is no resume point: more steps redone than with synchronous saves, same saves paid."""
     base = Scenario(per_step={"fla_backward_oom": 1 / 300}, save_steps=50, save_s=5.0, total_steps=5000)
-    slow = with_(base, save_bg_s=20 * base.step_s)
+    slow = replace(base, save_bg_s=20 * base.step_s)
     seeds = range(20)
     lost = [sum(simulate(sc, "orchestrator", s, NO_GUARDS).lost["lost_progress"] for s in seeds) for sc in (base, slow)]
     assert lost[1] > lost[0] * 1.2
@@ -260,7 +261,7 @@ def test_an_interval_shorter_than_the_background_write_waits_for_it():
     sc = Scenario(total_steps=1000, save_steps=100, save_s=10.0, save_bg_s=100 * 18.0 + 50)
     r = simulate(sc, "orchestrator", 0)
     assert r.lost["checkpoint"] == pytest.approx(9 * (10.0 + 50.0))
-    assert simulate(with_(sc, save_bg_s=100.0), "orchestrator", 0).lost["checkpoint"] == pytest.approx(9 * 10.0)
+    assert simulate(replace(sc, save_bg_s=100.0), "orchestrator", 0).lost["checkpoint"] == pytest.approx(9 * 10.0)
 
 
 def test_auto_interval_is_at_least_the_background_write():
@@ -300,7 +301,7 @@ def test_auto_interval_follows_the_evidence():
     assert a.intervals[0] == b.intervals[0]  # the same prior at the first launch
     assert max(b.intervals[-5:]) < a.intervals[0] < min(a.intervals[-3:])
     with pytest.raises(ValueError, match="plain"):
-        simulate(with_(FIELD, save_steps="auto"), "plain", 0)
+        simulate(replace(FIELD, save_steps="auto"), "plain", 0)
 
 
 def test_crash_rate_scales_the_mix():

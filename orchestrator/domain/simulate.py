@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from orchestrator.domain.interval import Evidence, choose
 from orchestrator.domain.policy import History, decide, hang_timeout, next_history
@@ -394,11 +394,3 @@ HARSH = Scenario(
               "host_oom_killed": 1 / 96, "nan_loss": 1 / 96},
     stale_prob=0.30, stale_mean_s=900, stale_killable=0.8, port_held_prob=0.25, port_hold_mean_s=600,
     foreign_port_prob=0.01, nan_repeat_prob=0.3)
-
-MIXES = (FIELD, HARSH)
-
-
-def with_(sc: Scenario, **changes) -> Scenario:
-    """A copy of `sc` with some fields changed (dataclasses.replace, re-exported for bench/tests)."""
-    return replace(sc, **changes)
-

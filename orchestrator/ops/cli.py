@@ -154,7 +154,8 @@ def _journal_for(recipe: Path, overrides: tuple[str, ...]):
 @click.option("--watch", is_flag=True, help="Refresh every 2 s until interrupted.")
 def status(recipe: Path, overrides: tuple[str, ...], as_json: bool, watch: bool) -> None:
     """Live state of a run (reads the journal; works while the supervisor runs)."""
-    from orchestrator.ops.report import status_data, status_view
+    from orchestrator.ops.report import status_data
+    from orchestrator.ops.status_view import status_view
 
     r, j = _journal_for(recipe, overrides)
     if as_json:

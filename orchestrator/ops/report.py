@@ -1,5 +1,5 @@
-"""What a person reads about a run: the end-of-run summary, `history`, `status` (a live rich view) and
-the HTML `report` (rendered by html_report.py).
+"""What a person reads about a run: the end-of-run summary, `history`, `status` (its data; the live rich view
+is status_view.py) and the HTML `report` (rendered by html_report.py).
 
 Reads the journal read-only (WAL: works while the supervisor writes) and the trainer's logging.jsonl
 in the run's real output_dir (kv "output_dir": a drifted recipe runs in <output_dir>-<hash8>).
@@ -7,7 +7,6 @@ in the run's real output_dir (kv "output_dir": a drifted recipe runs in <output_
 from __future__ import annotations
 
 import math
-import sqlite3
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,7 +23,6 @@ from orchestrator.types import Attempt, Progress
 
 TERMINAL = ("completed", "stopped", "gave_up")
 LOSS_WINDOW = 40          # losses shown in the status sparkline
-SPARK = "▁▂▃▄▅▆▇█"
 LOST_SHOWN_S = 0.05       # smaller lost figures are rounding noise (a short demo loses tenths of a second)
 
 
@@ -242,101 +240,6 @@ def fmt_duration(s: float | None) -> str:
     s = int(s)
     d, h, m = s // 86400, s % 86400 // 3600, s % 3600 // 60
     return f"{d}d {h}h" if d else f"{h}h {m:02d}m" if h else f"{m}m {s % 60:02d}s" if m else f"{s}s"
-
-
-def sparkline(values: list[float]) -> str:
-    if not values:
-        return ""
-    lo, hi = min(values), max(values)
-    span = (hi - lo) or 1.0
-    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
-
-
-STATE_STYLE = {"running": "bold green", "completed": "bold green", "gave_up": "bold red", "crashed": "bold red",
-               "backoff": "bold yellow", "stopped": "bold yellow"}
-
-
-def status_renderable(d: dict):
-    """The live view: one rich renderable built from status_data()."""
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
-    from rich.text import Text
-
-    t = Table.grid(padding=(0, 2))
-    t.add_column(style="bold cyan", no_wrap=True)
-    t.add_column()
-    state = d["state"] or "?"
-    t.add_row("state", Text.assemble((state, STATE_STYLE.get(state, "bold")),
-                                     f"   attempt {d['attempt'] or 0} of {d['attempts']}, {d['crashes']} crash(es)"))
-    if d["exit_reason"]:
-        t.add_row("reason", Text(d["exit_reason"], style="red"))
-    mx = d["max_steps"]
-    bar = Table.grid(padding=(0, 1))
-    bar.add_row(ProgressBar(total=mx or 1, completed=d["step"] or 0, width=40),
-                Text(f"{d['step'] if d['step'] is not None else '?'}/{mx or '?'}"
-                     + (f"  {d['fraction']:.0%}" if d["fraction"] is not None else "")
-                     + (f"  ETA {fmt_duration(d['eta_s'])}" if d["eta_s"] is not None else "")
-                     + (f"  ({d['step_s']:.3g} s/step)" if d["step_s"] else "")))
-    t.add_row("step", bar)
-    if (loss := d["loss"]) is not None:
-        arrow, style = {"down": ("↓", "green"), "up": ("↑", "red"), "flat": ("→", "yellow")}[loss["trend"]]
-        t.add_row("loss", Text.assemble((sparkline(loss["recent"]), "magenta"), " ", (arrow, style),
-                                        f"  last {loss['last']:.4g} (step {loss['last_step']})  min {loss['min']:.4g}",
-                                        (f"  NaN at step {loss['nan_step']}", "bold red") if loss["nan_step"] else ""))
-    if (c := d["last_crash"]) is not None:
-        ago = f", {fmt_duration(time.time() - c['ended_at'])} ago" if c["ended_at"] else ""
-        t.add_row("last crash", Text.assemble((c["class"], "bold red"),
-                                              f"  attempt {c['n']} at step {c['step'] if c['step'] is not None else '?'}{ago}"))
-        if c["evidence"]:
-            t.add_row("", Text(c["evidence"][0][:200], style="dim"))
-    if (ck := d["last_checkpoint"]) is not None:
-        t.add_row("checkpoint", Text.assemble(f"step {ck['step']}, {fmt_duration(ck['age_s'])} old, ",
-                                              ("verified", "green"), ", ",
-                                              ("synced", "green") if ck["synced"] else ("not synced", "yellow")))
-    else:
-        t.add_row("checkpoint", Text("none yet", style="yellow"))
-    if d["invalid_checkpoints"]:
-        t.add_row("", Text(f"invalid: steps {', '.join(map(str, d['invalid_checkpoints']))}", style="red"))
-    s = d["sync"]
-    if s["enabled"]:
-        last = s["last_synced_step"]
-        t.add_row("sync", f"last synced step {last if last is not None else '-'}"
-                  + (f", lag {s['lag_steps']} steps / {fmt_duration(s['lag_s'])}" if s["lag_steps"] else ", up to date"))
-    else:
-        t.add_row("sync", Text("off (no run.persistent_dir)", style="dim"))
-    g = d["goodput_detail"]
-    lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
-    t.add_row("goodput", f"{g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f"  lost: {lost}" if lost else ""))
-    t.add_row("costs", costs_line(d["costs"]))
-    events = Table.grid(padding=(0, 1))
-    for e in d["events"][-5:]:
-        events.add_row(Text(time.strftime("%H:%M:%S", time.localtime(e["at"])), style="dim"),
-                       Text(e["kind"], style="cyan"), Text(e["message"]))
-    title = f"[bold]{d['run']}[/]" + (f"  recipe {d['recipe_hash'][:12]}" if d["recipe_hash"] else "")
-    return Panel(Group(t, Text(""), events), title=title, subtitle=d["output_dir"], expand=False)
-
-
-def status_view(r: Recipe, j: Journal, watch: bool = False, *, console=None, refresh_s: float = 2.0) -> None:
-    from rich.console import Console
-    from rich.live import Live
-
-    console = console or Console()
-    steps = StepLog(output_dir_of(r, j.get_all()) / "logging.jsonl")
-    if not watch:
-        console.print(status_renderable(status_data(r, j, steps=steps)))
-        return
-    try:
-        with Live(status_renderable(status_data(r, j, steps=steps)), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(refresh_s)  # a display refresh interval, not synchronisation
-                try:
-                    live.update(status_renderable(status_data(r, j, steps=steps)), refresh=True)
-                except sqlite3.OperationalError:  # a busy journal: keep the last view, retry next tick
-                    continue
-    except KeyboardInterrupt:
-        pass
 
 
 # ------------------------------------------------------------------------------------------ summary, HTML
