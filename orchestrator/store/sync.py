@@ -47,7 +47,7 @@ class SyncResult:
     newest_local: int | None = None     # newest verified local step
     newest_published: int | None = None
     lag_steps: int | None = None
-    lag_s: float | None = None         # age of the newest verified local checkpoint while it is unpublished
+    lag_s: float | None = None         # age of the oldest local checkpoint newer than the newest published one
     synced: bool = False               # the round ran and everything planned is published
     duration_s: float = 0.0
 
@@ -300,12 +300,12 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
             if ck.step_of(n) not in kept:
                 _remove(persistent / n)
                 deleted.append(n)
-        newest_pub, newest_local = max(kept, default=None), newest
+        newest_pub = max(kept, default=None)
         behind = sorted(s for s in local if newest_pub is None or s > newest_pub)  # what losing the node loses
-        lag_s = None if newest_local is None else 0.0 if not behind else \
+        lag_s = None if newest is None else 0.0 if not behind else \
             max(0.0, time.time() - Path(local[behind[0]].path).stat().st_mtime)
-        lag = None if newest_local is None or newest_pub is None else max(0, newest_local - newest_pub)
-        r = SyncResult(tuple(copied), nbytes, tuple(skipped), tuple(problems), tuple(deleted), newest_local,
+        lag = None if newest is None or newest_pub is None else max(0, newest - newest_pub)
+        r = SyncResult(tuple(copied), nbytes, tuple(skipped), tuple(problems), tuple(deleted), newest,
                        newest_pub, lag, lag_s, synced=all(p.startswith("local ") for p in problems))
     except OSError as e:
         r = SyncResult(tuple(copied), nbytes, tuple(skipped), (*problems, f"sync to {persistent} failed: {e}"),
