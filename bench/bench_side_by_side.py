@@ -48,7 +48,7 @@ import psutil  # noqa: E402
 from orchestrator.host.launch import local as launcher  # noqa: E402
 from orchestrator.config.recipe import load  # noqa: E402
 from orchestrator.config.render.command import render_command  # noqa: E402
-from orchestrator.supervisor import Supervisor  # noqa: E402
+from orchestrator.loop.supervisor import Supervisor  # noqa: E402
 from orchestrator.types import ExitCode  # noqa: E402
 from supervised import FAKE, events, free_port_range  # noqa: E402
 

@@ -41,7 +41,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 import psutil  # noqa: E402
 
-from orchestrator import supervisor as supmod  # noqa: E402
+from orchestrator.domain import policy  # noqa: E402
+from orchestrator.loop import supervisor as supmod  # noqa: E402
 from orchestrator.config.recipe import load  # noqa: E402
 from orchestrator.types import ExitCode  # noqa: E402
 from supervised import FAKE, events, fake_recipe  # noqa: E402
@@ -198,17 +199,17 @@ def _crash_loop(work: Path, crashes: int, earlier_checkpoints: int = 0, save_ste
     if start:
         _earlier_attempt(work / "out", start, 10, recipe, entry)
     waits: list[float] = []  # the configured wait of each decision (wait_s + settle + backoff): 0 here
-    decide = supmod.policy.decide
+    decide = policy.decide
 
     def recording(*a, **k):
         d = decide(*a, **k)
         waits.append(d.wait_s + d.backoff_s)
         return d
-    supmod.policy.decide = recording
+    policy.decide = recording
     try:
         code, sup = _supervise(recipe, entry)
     finally:
-        supmod.policy.decide = decide
+        policy.decide = decide
     assert code == ExitCode.OK, (code, sup.exit_reason)
     exits = [float(x) for x in stamps.read_text().split()]
     evs = events(work / "out")
@@ -284,7 +285,7 @@ def _big_save_crash(work: Path, size: int) -> float:
 
 FIRST_VERIFY = textwrap.dedent('''\
     import sys, time
-    import orchestrator.supervisor  # everything the supervisor has imported when it finds its first checkpoint
+    import orchestrator.loop.supervisor  # everything the supervisor has imported when it finds its first checkpoint
     from orchestrator.store import checkpoints
     from orchestrator.store import manifest
     times = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
+GIB = 1024**3  # bytes in a GiB: the one definition
+
 
 class ExitCode(IntEnum):
     """Documented process exit codes. systemd's RestartPreventExitStatus lists BAD_INPUT and GAVE_UP."""
@@ -31,6 +33,33 @@ class State(StrEnum):
 
 
 TERMINAL_STATES = frozenset({State.COMPLETED, State.STOPPED, State.GAVE_UP})
+
+# The supervisor's allowed transitions: every state -> the states its handler may return (itself included
+# where it stays). orchestrator/loop/supervisor.py checks each transition against this table (an unexpected one
+# is a bug and raises); the README's state block and the supervisor's docstring are tested against it.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.PREFLIGHT: frozenset({State.VERIFYING, State.COMPLETED}),
+    State.VERIFYING: frozenset({State.VERIFYING, State.LAUNCHING, State.RELAUNCHING, State.STOPPED}),
+    State.LAUNCHING: frozenset({State.RUNNING, State.VERIFYING, State.COMPLETED, State.STOPPED, State.GAVE_UP}),
+    State.RELAUNCHING: frozenset({State.RUNNING, State.VERIFYING, State.COMPLETED, State.STOPPED, State.GAVE_UP}),
+    State.RUNNING: frozenset({State.RUNNING, State.CRASHED, State.COMPLETED, State.VERIFYING, State.STOPPING,
+                              State.GAVE_UP}),
+    State.CRASHED: frozenset({State.CLEANING}),
+    State.CLEANING: frozenset({State.WAITING, State.BACKOFF, State.GAVE_UP}),
+    State.WAITING: frozenset({State.WAITING, State.VERIFYING, State.STOPPED}),
+    State.BACKOFF: frozenset({State.WAITING, State.VERIFYING, State.STOPPED}),
+    State.STOPPING: frozenset({State.STOPPED}),
+    State.COMPLETED: frozenset(),
+    State.STOPPED: frozenset(),
+    State.GAVE_UP: frozenset(),
+}
+
+
+class AttemptKind(StrEnum):
+    """What one launch runs: the training, or (checkpoint.merge = "final") the export of its last checkpoint."""
+
+    TRAIN = "train"
+    EXPORT = "export"
 
 
 class CrashClass(StrEnum):
@@ -143,14 +172,14 @@ class Attempt:
     save_count: int | None = None        # how many saves save_s averages
     node: str | None = None              # multi-node: the node whose task failed first
     system: dict | None = None           # the SystemEvidence seen at the crash (dataclasses.asdict), when taken
-    kind: str = "train"                  # "train", or "export": the final merge of checkpoint.merge = "final"
+    kind: AttemptKind = AttemptKind.TRAIN
 
 
 class Action(StrEnum):
+    """What the policy decides after a crash."""
+
     RELAUNCH = "relaunch"        # clean up, wait, verify GPUs, relaunch from the newest good checkpoint
     WAIT_FOR_SPACE = "wait_for_space"  # disk_full: no blind restart; poll free space, then relaunch
-    COMPLETE = "complete"
-    STOP = "stop"                # stop requested by the operator (signal)
     GIVE_UP = "give_up"          # retrying cannot help
 
 
@@ -196,16 +225,6 @@ class Check:
     ok: bool
     detail: str
     fatal: bool = True           # a failed fatal check stops `run` before launching
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something worth recording in the journal and showing to an operator."""
-
-    kind: str
-    message: str
-    at: float
-    data: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def published_at(recipe_path: Path, *overrides: str) -> Path:
 
 def supervise(recipe_path: Path, *overrides: str):
     """Run the supervisor in this process; returns (exit code, supervisor)."""
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
 
     sup = Supervisor(load(recipe_path, list(overrides)), install_signals=False)
     return sup.run(), sup

@@ -108,7 +108,7 @@ def test_nan_logged_just_before_a_crash_is_not_resumed_past(tmp_path):
 def test_nan_quarantine_survives_a_supervisor_killed_before_it(tmp_path, monkeypatch):
     from orchestrator.config.recipe import load
     from orchestrator.store.tracker import CheckpointTracker
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
 
     recipe = fake_recipe(tmp_path, iterations=200, faults="nan_loss@19", supervisor={"poll_s": 0.5})
 
@@ -133,7 +133,7 @@ def test_trainer_started_by_a_killed_supervisor_gets_its_own_attempt_row(tmp_pat
     cold_start_oom was classified oom_during_training from the orphan's steps)."""
     from orchestrator.host.launch import local as launcher
     from orchestrator.config.recipe import load
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
 
     recipe = fake_recipe(tmp_path, iterations=40, faults="fla_backward_oom@15,cold_start_oom@21",
                          extra_env={"FAKE_STEP_S": "0.02"})
@@ -218,7 +218,7 @@ def _try_flock(fd: int) -> bool:
 def test_checkpoint_cut_short_after_a_nan_quarantine_is_not_resumed_from(tmp_path, monkeypatch):
     from orchestrator.host.launch import local as launcher
     from orchestrator.config.recipe import load
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
 
     recipe = fake_recipe(tmp_path, iterations=100, faults="nan_loss@15", supervisor={"poll_s": 0.5})
     real, calls = launcher.launch, []

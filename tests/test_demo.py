@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.ops import demo
 from orchestrator.store.checkpoints import verify_merged
-from orchestrator.domain.goodput import goodput_of
+from orchestrator.host.journal_goodput import goodput_of
 from orchestrator.config.recipe import load, recipe_hash
 from supervised import cli, free_port_range, journal
 

@@ -9,7 +9,7 @@ import threading
 
 from supervised import attempts, events, fake_recipe, wait_for
 from orchestrator.config.recipe import load
-from orchestrator.supervisor import Supervisor
+from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import Action, CrashClass, ExitCode, State
 
 
@@ -41,7 +41,7 @@ def test_a_disk_filled_by_something_else_while_training(tmp_path, small_disk):
                         and sup.attempt.decision.action is Action.WAIT_FOR_SPACE, 60, 0.02), sup.state
         assert sup.attempt.crash.cls is CrashClass.DISK_FULL, sup.attempt.crash
         assert thread.is_alive(), "the supervisor survives the full disk"
-        assert wait_for(lambda: sup.journal.held, 10, 0.02), "journal writes are held, not lost"
+        assert wait_for(lambda: sup.ctx.journal.held, 10, 0.02), "journal writes are held, not lost"
         filler.unlink()
         thread.join(120)
         assert not thread.is_alive()

@@ -12,7 +12,7 @@ from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import recipe_hash
 from orchestrator.store.rundir import state_dir
-from orchestrator.supervisor import Supervisor
+from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import ExitCode
 from test_e2e_swift import recipe
 

@@ -23,7 +23,7 @@ from orchestrator.host.base import LocalHost
 from orchestrator.ops.demo import inject_kill
 from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import load
-from orchestrator.supervisor import Supervisor
+from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import CrashClass, ExitCode, State
 from supervised import attempts, events, free_port_range
 

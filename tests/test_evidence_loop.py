@@ -63,7 +63,7 @@ def test_the_evidence_is_told_on_the_console_and_kept_per_attempt(world):
     sup, host = world()
     said = []
     sup.step()   # pre-flight opens the journal, whose events are the console lines
-    sup.journal.echo = said.append
+    sup.ctx.journal.echo = said.append
     host.system = KILLED
     crashed(sup, host, NCCL)
     assert any("evidence: attempt 1: SIGKILL; kernel OOM killer killed pid 4000 (python)" in s for s in said), said
@@ -78,7 +78,7 @@ def test_a_sigkill_without_record_never_says_oom_on_the_console(world):
     sup, host = world()
     said = []
     sup.step()   # pre-flight opens the journal, whose events are the console lines
-    sup.journal.echo = said.append
+    sup.ctx.journal.echo = said.append
     t = running(sup, host)
     t.exit(signal=9)
     sup.step()

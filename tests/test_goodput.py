@@ -132,7 +132,7 @@ def crashed_and_resumed(tmp_path, *, saved_at: bool = True):
 
 
 def test_work_after_the_kept_checkpoint_is_lost_from_its_save_time(tmp_path):
-    from orchestrator.domain.goodput import goodput_of
+    from orchestrator.host.journal_goodput import goodput_of
 
     j = crashed_and_resumed(tmp_path)
     g = goodput_of(j, now=T + 100)
@@ -144,7 +144,7 @@ def test_work_after_the_kept_checkpoint_is_lost_from_its_save_time(tmp_path):
 
 
 def test_a_journal_without_saved_at_falls_back_to_the_verification_time(tmp_path):
-    from orchestrator.domain.goodput import goodput_of
+    from orchestrator.host.journal_goodput import goodput_of
 
     j = crashed_and_resumed(tmp_path, saved_at=False)
     # all it can say: checkpoint-20 was verified after the exit, so nothing after it is known to be lost
@@ -185,9 +185,9 @@ def test_running_a_completed_run_again_adds_no_idle_time(tmp_path):
     """`orchestrator run` on a run that completed a day ago launches nothing; its goodput is unchanged."""
     import time
 
-    from orchestrator.domain.goodput import goodput_of
+    from orchestrator.host.journal_goodput import goodput_of
     from orchestrator.config.recipe import load
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
     from supervised import fake_recipe, journal, supervise
 
     recipe = fake_recipe(tmp_path, iterations=20)

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from orchestrator.config.recipe import RecipeError, load
-from orchestrator.supervisor import Supervisor
+from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import ExitCode, GpuInfo, GpuProcess, GpuSnapshot
 from supervised import attempts, events, fake_recipe, wait_for
 

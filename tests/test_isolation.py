@@ -151,14 +151,14 @@ def test_two_runs_one_after_the_other_keep_their_own_copies(tmp_path):
     code, sup_b = supervise(recipe, LR_B)  # drift: a fresh output dir, its own publish dir
     assert code == ExitCode.OK
     pub_b = published_at(recipe, LR_B)
-    assert pub_b != pub_a and sup_b.out != tmp_path / "out"
-    assert assert_copies_are_the_runs(pub_b, sup_b.out, sup_b.hash) == names_a
+    assert pub_b != pub_a and sup_b.ctx.out != tmp_path / "out"
+    assert assert_copies_are_the_runs(pub_b, sup_b.ctx.out, sup_b.hash) == names_a
     assert snapshot(pub_a) == before, "run B touched run A's copies"
     r = cli("sync", str(recipe), "--once", "--json")  # A's sync after B: copies nothing, touches nothing of B's
     assert r.returncode == 0 and json.loads(r.stdout)["copied"] == 0, r.stderr
     b_before = snapshot(pub_b)
     r = cli("sync", str(recipe), "--once", "--set", LR_B, "--json")  # B's own sync finds B's drifted output dir
-    assert r.returncode == 0 and json.loads(r.stdout)["output_dir"] == str(sup_b.out), r.stdout + r.stderr
+    assert r.returncode == 0 and json.loads(r.stdout)["output_dir"] == str(sup_b.ctx.out), r.stdout + r.stderr
     assert snapshot(pub_b) == b_before and snapshot(pub_a) == before
 
 

@@ -5,7 +5,8 @@
     domain/     decisions: classify, policy, verdict, progress, goodput, retention, intervals, simulation
     host/       the machine: Host protocol and LocalHost, launch (local, Slurm), GPUs, journal, metrics, evidence
     store/      checkpoints and sync: discovery and verification, manifests, copying, publishing, tracking
-    loop        supervisor.py (+ lifecycle.py, recovery.py, export_phase.py), watch.py, preflight.py
+    loop/       the supervisor's state machine and its parts: run context, ticker, launch, running, recovery,
+                export, attempt, pre-flight, save intervals, GPU gate
     ops/        commands and presentation: cli, plan, report, html_report, demo, service, tiny
 
 A module imports from its own layer or below, never above (the supervisor never imports presentation
@@ -24,7 +25,7 @@ LAYERS = {
     "domain": {"domain"},
     "host": {"host"},
     "store": {"store"},
-    "loop": {"supervisor", "lifecycle", "recovery", "export_phase", "watch", "preflight", "save_interval"},
+    "loop": {"loop"},
     "ops": {"ops", "__main__"},
 }
 ORDER = list(LAYERS)
@@ -35,17 +36,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node except what sits under `if TYPE_CHECKING:` (annotations only, never imported at run time).
-    Function-level imports count: a lazy import is still a dependency."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            todo.extend(node.orelse)
-            continue
-        todo.extend(ast.iter_child_nodes(node))
+def import_nodes(tree: ast.AST):
+    """Every node. Function-level imports count (a lazy import is still a dependency), and so do imports under
+    `if TYPE_CHECKING:`: a type named from a layer above is a dependency on it all the same."""
+    return ast.walk(tree)
 
 
 def graph() -> dict[str, set[str]]:
@@ -54,7 +48,7 @@ def graph() -> dict[str, set[str]]:
     out = {}
     for mod, path in files.items():
         deps = set()
-        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
+        for node in import_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -108,3 +102,15 @@ def test_recipe_imports_nothing_from_render():
     assert "orchestrator.config.recipe" in g["orchestrator.config.render.command"], "the test reads the imports it claims to"
     for m in ("orchestrator.config.recipe", "orchestrator.config.flags"):
         assert not {n for n in g[m] if n.startswith("orchestrator.config.render")}, f"{m} imports {g[m]}"
+
+
+def test_type_checking_imports_count():
+    """A TYPE_CHECKING import is read as a dependency (domain/goodput.py once named the journal that way)."""
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from orchestrator.host.journal import Journal\n")
+    names = [n.module for n in import_nodes(tree) if isinstance(n, ast.ImportFrom)]
+    assert "orchestrator.host.journal" in names
+
+
+def test_nothing_of_the_loop_is_left_at_the_package_top():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "types.py"], top

@@ -9,7 +9,7 @@ import pytest
 from conftest import MODEL_CONFIG, RECIPES, make_model
 from orchestrator.host import probe as host_probe
 from orchestrator.ops import plan
-from orchestrator import preflight
+from orchestrator.loop import preflight
 from orchestrator.config import recipe as R
 from orchestrator.host.gpu import NullReader
 from orchestrator.types import GpuInfo, GpuSnapshot

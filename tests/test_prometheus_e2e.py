@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config.recipe import load
-from orchestrator.supervisor import Supervisor
+from orchestrator.loop.supervisor import Supervisor
 from prom import ALERT_RULES, firing, free_port, needs_prometheus, poll, query, running_prometheus, scalar
 from supervised import fake_recipe
 

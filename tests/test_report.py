@@ -117,7 +117,7 @@ def test_status_view_renders_the_pieces(opened):
 def test_status_while_the_supervisor_runs(tmp_path):
     recipe = fake_recipe(tmp_path, iterations=400, faults="cuda_fatal@12",
                          extra_env={"FAKE_STEP_S": "0.05", "FAKE_STARTUP_S": "0.02"})
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
 
     sup = Supervisor(load(recipe), install_signals=False)
     thread = threading.Thread(target=sup.run, daemon=True)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator import preflight
+from orchestrator.loop import preflight
 from orchestrator.domain import simulate as S
 from orchestrator.domain import simulate_report as R
 from orchestrator.config.recipe import SupervisorSection

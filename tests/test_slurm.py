@@ -21,13 +21,13 @@ import pytest
 
 from slurm_cluster import cluster  # noqa: F401 (the module-scoped fixture: one cluster per test module)
 from orchestrator.host.launch import local as launcher
-from orchestrator import preflight
+from orchestrator.loop import preflight
 from orchestrator.host import dir_check
 from orchestrator.host.launch.slurm import (Allocation, NodeFailure, first_failure, node_check_results, node_log,
                                               srun_argv)
 from orchestrator.host.node_exec import node_env
 from orchestrator.config.recipe import RecipeError, load
-from orchestrator.supervisor import Supervisor
+from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import CrashClass, ExitCode, State
 from supervised import attempts, free_port_range
 
@@ -149,8 +149,8 @@ def at_step_on_node_two(sup: Supervisor, step: int, sig: int, hit: list[int]) ->
             if a is None:
                 continue
             if time.monotonic() - looked > 0.5:
-                pids, looked = [p.pid for p in node_processes(sup.run_id, "n2")], time.monotonic()
-            tail = tail or launcher.FileTail(Path(sup.out) / "logging.jsonl")
+                pids, looked = [p.pid for p in node_processes(sup.ctx.run_id, "n2")], time.monotonic()
+            tail = tail or launcher.FileTail(Path(sup.ctx.out) / "logging.jsonl")
             steps = [int(r["global_step/max_steps"].split("/")[0]) for r in map(json.loads, tail.lines())
                      if "global_step/max_steps" in r]
             if pids and steps and max(steps) >= step:

@@ -11,7 +11,7 @@ from fake_host import FakeHost
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.config.recipe import load
 from orchestrator.store.rundir import state_dir
-from orchestrator.supervisor import Supervisor
+from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import Action, Crash, CrashClass, ExitCode, State
 
 MAX = 10
@@ -38,7 +38,7 @@ def world(write_recipe):
 
     yield make
     for sup in made:  # release the lock and the journal, as the process exit would
-        sup._shutdown()
+        sup.shutdown()
 
 
 def drive(sup: Supervisor, until: State, limit: int = 20) -> State:
@@ -66,7 +66,7 @@ def crashed(sup: Supervisor, host: FakeHost, *lines: str, code: int = 1, at_step
 
 
 def journal(sup: Supervisor) -> Journal:
-    return Journal(journal_path(state_dir(sup.out)), readonly=True)
+    return Journal(journal_path(state_dir(sup.ctx.out)), readonly=True)
 
 
 # --- PREFLIGHT ------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def test_preflight_of_a_completed_run_launches_nothing(world):
     t.steps(1, MAX, MAX)
     t.exit(code=0)
     assert sup.step() is State.COMPLETED
-    sup._shutdown()
+    sup.shutdown()
     again, host2 = world()
     assert again.step() is State.COMPLETED and "launch" not in host2.names()
 
@@ -113,7 +113,7 @@ def test_verifying(world, holders, cmdlines, patterns, next_state, killed):
     if killed is None:
         assert all(not k for k in kills), f"never kill a foreign holder: {kills}"
         if next_state is State.VERIFYING:
-            assert sup.gpu_backoff_s > 0 and "launch" not in host.names()
+            assert sup.parts.recovery.gpu_backoff_s > 0 and "launch" not in host.names()
     else:
         assert kills == [killed]
         assert ("wait", 1.0) in host.calls, "force_wait_s before checking again"
@@ -450,6 +450,21 @@ def test_waiting_for_disk_space(world):
     assert sup.step() is State.VERIFYING
 
 
+def test_a_wait_for_disk_space_is_charged_to_wait_in_full(world):
+    """Regression: a round that found too little space returned before its span was written, and goodput
+    counted that time as `other`."""
+    sup, host = world()
+    crashed(sup, host, "OSError: [Errno 28] No space left on device")
+    sup.step(), sup.step()
+    host.free = 0.001
+    began = host.now()
+    assert sup.step() is State.WAITING and sup.step() is State.WAITING
+    host.free = 10
+    assert sup.step() is State.VERIFYING
+    waited = sum(e - s for s, e, kind in journal(sup).spans() if kind == "wait" and s >= began)
+    assert host.now() - began > 0 and waited == pytest.approx(host.now() - began, abs=0.01)
+
+
 def test_a_stop_cuts_a_wait_short(world):
     sup, host = world(supervisor={"wait": "fixed"})
     crashed(sup, host, OOM)
@@ -513,9 +528,9 @@ def test_nan_twice_gives_up_across_a_supervisor_restart(world):
     _nan_crash(first, host)
     assert first.attempt.decision.action is Action.RELAUNCH
     assert first.step() is State.WAITING
-    first.lock.release()             # kill -9: no shutdown, the lock goes with the process
-    first.journal.close()
-    first.sidecar = first.lock = None
+    first.ctx.lock.release()             # kill -9: no shutdown, the lock goes with the process
+    first.ctx.journal.close()
+    first.ctx = None
     second, host2 = world()
     _nan_crash(second, host2)
     assert second.attempt.decision.action is Action.GIVE_UP, second.attempt.decision
@@ -526,9 +541,9 @@ def test_crash_loop_count_survives_a_supervisor_restart(world):
     first, host = world(supervisor={"max_crashes_per_hour": 1})
     crashed(first, host, OOM)
     first.step(), first.step()
-    first.lock.release()
-    first.journal.close()
-    first.sidecar = first.lock = None
+    first.ctx.lock.release()
+    first.ctx.journal.close()
+    first.ctx = None
     second, host2 = world(supervisor={"max_crashes_per_hour": 1})
     crashed(second, host2, OOM)
     second.step()
@@ -591,9 +606,9 @@ def test_auto_save_interval_is_chosen_at_every_launch_from_the_evidence(world, m
     from orchestrator.domain import interval
     sup, host = world(checkpoint={"save_steps": "auto"}, supervisor={"max_relaunches_without_progress": 100})
     drive(sup, State.LAUNCHING)  # the tiny model's save written at a speed that makes it take 100 s
-    monkeypatch.setattr(interval, "DEFAULT_WRITE_BYTES_PER_S", sup.save_gib * 2**30 / 100)
+    monkeypatch.setattr(interval, "DEFAULT_WRITE_BYTES_PER_S", sup.ctx.save_gib * 2**30 / 100)
     t = running(sup, host)
-    first = interval.starting_choice(sup.save_gib * 2**30, *sup.intervals.step_time)
+    first = interval.starting_choice(sup.ctx.save_gib * 2**30, *sup.ctx.intervals.step_time)
     assert _argv_save_steps(t) == first.steps
     ev = [e for e in journal(sup).events(200) if e["kind"] == "save_interval"]
     assert len(ev) == 1 and ev[0]["data"]["steps"] == first.steps and "prior" in ev[0]["data"]["save_source"]

@@ -41,7 +41,7 @@ def trained(sup, host):
     """Training to max steps with checkpoint-MAX saved, exited 0: one RUNNING pass."""
     drive(sup, State.RUNNING)
     t = host.trainers[-1]
-    make_megatron(sup.out, MAX)
+    make_megatron(sup.ctx.out, MAX)
     t.steps(1, MAX, MAX)
     t.exit(code=0)
     return sup.step()
@@ -62,10 +62,10 @@ def test_training_done_goes_to_the_export_not_completed(world):
     assert first.kind == "train" and first.ended_at is not None and first.cls is None
     assert sup.step() is State.RELAUNCHING and sup.step() is State.RUNNING
     cmd = host.trainers[-1].cmd
-    ckpt = str(sup.out / f"checkpoint-{MAX}")
+    ckpt = str(sup.ctx.out / f"checkpoint-{MAX}")
     assert cmd.argv[1] == "export" and option(cmd.argv, "adapters") == ckpt
     assert option(cmd.argv, "merge_lora") == "true" and option(cmd.argv, "to_hf") == "true"
-    assert option(cmd.argv, "output_dir") == str(sup.out / f".partial-checkpoint-{MAX}-merged")
+    assert option(cmd.argv, "output_dir") == str(sup.ctx.out / f".partial-checkpoint-{MAX}-merged")
     assert option(cmd.argv, "exist_ok") == "true" and "sft" not in cmd.argv
     row = journal(sup).last_attempt()
     assert row.kind == "export" and row.n == 2 and row.resumed_from == ckpt and row.start_step == MAX
@@ -84,8 +84,8 @@ def test_a_final_checkpoint_that_fails_verification_is_not_complete(world, merge
     sup, host = world(lora=FINAL["lora"], checkpoint={"merge": merge})
     drive(sup, State.RUNNING)
     t = host.trainers[-1]
-    make_megatron(sup.out, MAX // 2)
-    adapter = make_megatron(sup.out, MAX) / "adapter_model.safetensors"
+    make_megatron(sup.ctx.out, MAX // 2)
+    adapter = make_megatron(sup.ctx.out, MAX) / "adapter_model.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:100])  # a torn save
     t.steps(1, MAX, MAX)
     t.exit(code=0)
@@ -108,9 +108,9 @@ def test_a_failure_at_teardown_after_the_last_verified_save_is_complete(world, m
     sup, host = world(lora=FINAL["lora"], checkpoint={"merge": merge})
     drive(sup, State.RUNNING)
     t = host.trainers[-1]
-    make_megatron(sup.out, MAX // 2)
+    make_megatron(sup.ctx.out, MAX // 2)
     if saved_last:
-        make_megatron(sup.out, MAX)
+        make_megatron(sup.ctx.out, MAX)
     t.steps(1, MAX, MAX)
     t.write("terminate called without an active exception")
     t.exit(code=1)
@@ -163,10 +163,10 @@ def test_export_attempt(world, event, next_state, cls, action):
     t = exporting(sup, host)
     event(sup, t)
     assert sup.step() is next_state
-    merged = sup.out / f"checkpoint-{MAX}-merged"
+    merged = sup.ctx.out / f"checkpoint-{MAX}-merged"
     assert merged.is_dir() == (next_state is State.COMPLETED), "only a verified export takes the published name"
     if next_state is State.COMPLETED:
-        assert not (sup.out / f".partial-checkpoint-{MAX}-merged").exists()
+        assert not (sup.ctx.out / f".partial-checkpoint-{MAX}-merged").exists()
         row = journal(sup).last_attempt()
         assert row.kind == "export" and row.ended_at is not None and row.cls is None
     if cls is not None:
@@ -186,16 +186,16 @@ def test_a_failed_export_is_exported_again_into_a_clean_staging_dir(world):
     again = host.trainers[-1]
     assert again is not t and again.cmd.argv[1] == "export" and option(again.cmd.argv, "output_dir") == str(staging)
     assert not staging.exists(), "the failed export's partial files are gone before the export runs again"
-    assert not (sup.out / f"checkpoint-{MAX}-merged").exists()
+    assert not (sup.ctx.out / f"checkpoint-{MAX}-merged").exists()
     _ok(sup, again)
-    assert sup.step() is State.COMPLETED and (sup.out / f"checkpoint-{MAX}-merged").is_dir()
+    assert sup.step() is State.COMPLETED and (sup.ctx.out / f"checkpoint-{MAX}-merged").is_dir()
     assert [a.kind for a in journal(sup).attempts()] == ["train", "export", "export"]
 
 
 def test_a_supervisor_restarted_after_training_goes_straight_to_the_export(world):
     sup, host = world(**FINAL)
     assert trained(sup, host) is State.VERIFYING
-    sup._shutdown()
+    sup.shutdown()
     again, host2 = world(**FINAL)
     drive(again, State.RUNNING)
     assert [t.cmd.argv[1] for t in host2.trainers] == ["export"]
@@ -206,11 +206,11 @@ def test_a_supervisor_restarted_during_the_export_exports_again(world):
     sup, host = world(**FINAL)
     t = exporting(sup, host)
     write_export(Path(option(t.cmd.argv, "output_dir")), drop=2)  # killed mid-write with the supervisor
-    sup._shutdown()
+    sup.shutdown()
     again, host2 = world(**FINAL)
     drive(again, State.RUNNING)
     assert [t.cmd.argv[1] for t in host2.trainers] == ["export"]
-    assert not (again.out / f"checkpoint-{MAX}-merged").exists()
+    assert not (again.ctx.out / f"checkpoint-{MAX}-merged").exists()
 
 
 def test_a_verified_merged_copy_completes_a_restarted_run(world):
@@ -218,10 +218,10 @@ def test_a_verified_merged_copy_completes_a_restarted_run(world):
     sup, host = world(**FINAL)
     t = exporting(sup, host)
     write_export(Path(option(t.cmd.argv, "output_dir")))
-    sup._shutdown()
+    sup.shutdown()
     again, host2 = world(**FINAL)
     drive(again, State.COMPLETED)
-    assert not host2.trainers and (again.out / f"checkpoint-{MAX}-merged").is_dir()
+    assert not host2.trainers and (again.ctx.out / f"checkpoint-{MAX}-merged").is_dir()
 
 
 @pytest.mark.parametrize("merge, after", [("never", State.COMPLETED), ("final", State.VERIFYING)])
@@ -236,7 +236,7 @@ def test_a_checkpoint_of_the_last_step_is_never_relaunched_from(world, merge, af
     t.write(OOM)
     t.exit(code=1)
     assert sup.step() is State.CRASHED
-    make_megatron(sup.out, MAX)  # written on the way out
+    make_megatron(sup.ctx.out, MAX)  # written on the way out
     drive(sup, State.RELAUNCHING)
     assert sup.step() is after and len(host.trainers) == 1
     j = journal(sup)

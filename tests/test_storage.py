@@ -17,7 +17,7 @@ from orchestrator.config import estimate as E
 from orchestrator.host import probe as host_probe
 from orchestrator.ops import plan
 from orchestrator.domain import storage
-from orchestrator import preflight
+from orchestrator.loop import preflight
 from orchestrator.config import recipe as R
 from orchestrator.ops.cli import main
 from orchestrator.config.model_shape import known_config, shape_from_config

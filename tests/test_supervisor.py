@@ -94,24 +94,26 @@ def test_steps_never_go_back_past_the_last_good_checkpoint(tmp_path):
     assert set(steps) == set(range(1, 41))
 
 
-def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path):
+def test_invalid_checkpoint_is_alerted_and_never_resumed_from(tmp_path, monkeypatch):
     recipe = fake_recipe(tmp_path, faults="fla_backward_oom@25")
     out = tmp_path / "out"
     # Corrupt checkpoint-20 the moment it is written: a stub adapter with a header and no tensors.
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
     from orchestrator.config.recipe import load
 
-    sup = Supervisor(load(recipe), install_signals=False)
-    original = sup._scan_checkpoints
+    from orchestrator.store.tracker import CheckpointTracker
 
-    def corrupt_then_scan(force=False):
+    sup = Supervisor(load(recipe), install_signals=False)
+    original = CheckpointTracker.scan
+
+    def corrupt_then_scan(self, *args, **kwargs):
         ck = out / "checkpoint-20" / "adapter_model.safetensors"
         if ck.exists() and ck.stat().st_size > 100:
             header = b'{"__metadata__": {"format": "pt"}}'
             ck.write_bytes(len(header).to_bytes(8, "little") + header)
-        original(force)
+        return original(self, *args, **kwargs)
 
-    sup._scan_checkpoints = corrupt_then_scan
+    monkeypatch.setattr(CheckpointTracker, "scan", corrupt_then_scan)
     assert sup.run() == ExitCode.OK
     runs = attempts(out)
     assert runs[1].resumed_from == str(out / "checkpoint-10")
@@ -133,12 +135,16 @@ def test_resume_divergence_stops_the_run(tmp_path):
     assert code == ExitCode.GAVE_UP
     assert "resume divergence" in sup.exit_reason
     assert events(out2, "resume_divergence")
+    # Regression: the give-up left the attempt's row open, and the next `run` reported it as "supervisor
+    # restarted while this attempt ran".
+    last = attempts(out2)[-1]
+    assert last.ended_at is not None and last.cls is None and "resume divergence" in " ".join(last.evidence)
 
 
 def test_metrics_are_served_while_running(tmp_path):
     recipe = fake_recipe(tmp_path, iterations=400, extra_env={"FAKE_STEP_S": "0.02"})
     from orchestrator.config.recipe import load
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
     import threading
 
     sup = Supervisor(load(recipe), install_signals=False)
@@ -148,7 +154,7 @@ def test_metrics_are_served_while_running(tmp_path):
         deadline = time.monotonic() + 30
         body = ""
         while time.monotonic() < deadline:
-            port = sup.metrics_port
+            port = sup.ctx.metrics_port if sup.ctx else None
             if port and sup.attempt and sup.attempt.last and sup.attempt.last.step > 5:
                 body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
                 if 'orchestrator_state{state="running"} 1.0' in body:
@@ -298,7 +304,7 @@ class HeldGpus:
 @pytest.mark.parametrize("allowed", [True, False], ids=["kill_pattern_matches", "no_kill_pattern"])
 def test_foreign_gpu_holder_is_killed_only_when_the_recipe_allows(tmp_path, allowed):
     from orchestrator.config.recipe import load
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
     import threading
 
     holder = subprocess.Popen(["sleep", "300"])

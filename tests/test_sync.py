@@ -324,7 +324,7 @@ def test_restore(tmp_path, copier):
     assert not (tmp_path / "fresh2" / ".partial-checkpoint-20").exists()
 
 
-def test_sidecar_timer_trigger_alerts_and_stop(tmp_path):
+def test_publisher_thread_timer_trigger_alerts_and_stop(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10)
     alerts = []
@@ -345,7 +345,7 @@ def test_sidecar_timer_trigger_alerts_and_stop(tmp_path):
     assert "checkpoint-30" in published(pers)
 
 
-def test_sidecar_survives_exceptions(tmp_path, monkeypatch):
+def test_publisher_thread_survives_exceptions(tmp_path, monkeypatch):
     calls = threading.Semaphore(0)
 
     def boom(*a, **k):
@@ -375,7 +375,7 @@ def test_until_due(last, interval, now, want):
     assert until_due(last, interval, now) == want
 
 
-def test_sidecar_publishes_the_newest_at_most_every_publish_interval(tmp_path):
+def test_publisher_thread_publishes_the_newest_at_most_every_publish_interval(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10)
     car = SyncThread(out, pers, "swift", "h", interval_s=3600, publish_interval_s=3600)
@@ -391,7 +391,7 @@ def test_sidecar_publishes_the_newest_at_most_every_publish_interval(tmp_path):
     assert published(pers) == ["checkpoint-10", "checkpoint-30"]  # checkpoint-20: superseded, never copied
 
 
-def test_sidecar_stop_before_start_and_interval(tmp_path):
+def test_publisher_thread_stop_before_start_and_interval(tmp_path):
     make_swift(tmp_path / "out", 10)
     car = SyncThread(tmp_path / "out", tmp_path / "p", "swift", "h", interval_s=0.05)
     car.start()
@@ -412,7 +412,7 @@ def test_manifest_json_is_what_we_expect(tmp_path):
 
 
 @needs_rsync
-def test_sidecar_stop_cancels_a_long_copy(tmp_path):
+def test_publisher_thread_stop_cancels_a_long_copy(tmp_path):
     out, pers = tmp_path / "out", tmp_path / "pers"
     make_swift(out, 10, big=8 << 20)  # ~8 s at 1 MiB/s
     alerts = []

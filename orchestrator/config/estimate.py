@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 from orchestrator.config.model_shape import ModelShape, dense_params, mixer_dims, structured
 from orchestrator.config.recipe import Recipe
+from orchestrator.types import GIB
 
-GIB = 1024**3
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # CUDA context, NCCL buffers, allocator reserve under expandable segments: measured field overhead
 # on H100/H200 is 4-8 GiB per rank. The one term not derived from the config.
@@ -66,7 +66,7 @@ class MemoryEstimate:
     terms: tuple[Term, ...] = field(default_factory=tuple)
 
     def as_dict(self) -> dict:
-        d = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        d: dict = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
         d["terms"] = [{**t, "gib": round(t["gib"], 3)} for t in d["terms"]]
         return d
 

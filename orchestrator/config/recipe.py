@@ -138,7 +138,7 @@ def _resolve_paths(data: dict, base: Path) -> None:
         v = data[section].get(key) if isinstance(data.get(section), dict) else None
         if isinstance(v, str) and v and not Path(v).is_absolute():
             data[section][key] = str((base / v).resolve())
-    ds = data.get("data") if isinstance(data.get("data"), dict) else {}
+    ds: dict = data["data"] if isinstance(data.get("data"), dict) else {}
     for key in ("dataset", "val_dataset"):
         if isinstance(ds.get(key), list):
             ds[key] = [str((base / d).resolve()) if isinstance(d, str) and _looks_local(d) and not Path(d).is_absolute()
@@ -198,10 +198,11 @@ def validate(data: dict, source: str = "<recipe>", overrides: Sequence[str] = ()
 _UNION_MEMBER = {str: "str", int: "int", float: "float", bool: "bool", list: "list[str]"}
 
 
-def _one_per_union(errors: list[dict]) -> list[dict]:
+def _one_per_union(errors: Sequence[Any]) -> list[dict]:
     """An extra_args value fails every member of ExtraValue: keep the one error of the member its type
     is meant for (a float's "finite number", a list's bad item), with the member's name out of the key."""
-    out, seen = [], {}
+    out: list[dict] = []
+    seen: dict = {}
     for err in errors:
         loc = err["loc"]
         if not (len(loc) >= 3 and loc[0] == "extra_args"):
@@ -253,9 +254,9 @@ def load(path: str | Path, overrides: Sequence[str] = (), checks: Sequence[Check
         raise RecipeError(problems=_problems([((k,), m) for k, m in found], overrides, str(path)))
     _resolve_paths(data, path.absolute().parent)  # not resolve(): recipes/demo-cpu.toml is a symlink
     recipe = validate(data, str(path), overrides)
-    found = [f for check in (expert_problems, *checks) for f in check(recipe)]
-    if found:
-        raise RecipeError(problems=_problems(found, overrides, str(path)))
+    problems = [f for check in (expert_problems, *checks) for f in check(recipe)]
+    if problems:
+        raise RecipeError(problems=_problems(problems, overrides, str(path)))
     return recipe
 
 

@@ -12,7 +12,10 @@ MERGED_RE = re.compile(r"checkpoint-(\d+)-merged")
 
 def step_of(name: str | os.PathLike) -> int:
     """The step in a `checkpoint-N` (or `checkpoint-N-merged`, `checkpoint-N.nan-...`) name or path."""
-    return int(CKPT_RE.match(Path(name).name).group(1))
+    m = CKPT_RE.match(Path(name).name)
+    if m is None:
+        raise ValueError(f"{name}: not a checkpoint-N name")
+    return int(m.group(1))
 
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:

@@ -185,6 +185,7 @@ def _startup(ctx: _Ctx, i: int) -> bool | str:
     return startup or ctx.zero_bar or not training
 
 
+_OTHER_EXIT = re.compile(r"exits with return code = (?!-9\b)-?\d+")   # DeepSpeed's launcher names the real exit
 _CONDITIONS: dict[str, Callable[[_Ctx, int], bool | str]] = {
     "not_training": lambda ctx, i: ctx.phase is not Phase.TRAINING,
     "save_context": lambda ctx, i: any(_SAVE.search(s) for s in ctx.window(i, 40, 5)),
@@ -196,11 +197,10 @@ _CONDITIONS: dict[str, Callable[[_Ctx, int], bool | str]] = {
     "no_timeout": lambda ctx, i: not ctx.anywhere("timeout", _COMPILED["nccl_timeout_hang"][0], _RULE_KW["nccl_timeout_hang"]),
     "no_other_exit": lambda ctx, i: not ctx.anywhere("other_exit", _OTHER_EXIT, ("return code",)),
 }
-_OTHER_EXIT = re.compile(r"exits with return code = (?!-9\b)-?\d+")   # DeepSpeed's launcher names the real exit
 
 # ---- engine -----------------------------------------------------------------------------------
-_RULE_KW = {r.name: r.keywords for r in RULES}
-_COMPILED = {r.name: (re.compile("|".join(f"(?:{p})" for p in r.patterns), _F), [re.compile(p, _F) for p in r.patterns],
+_RULE_KW: dict[str, tuple[str, ...]] = {r.name: r.keywords for r in RULES}
+_COMPILED: dict[str, tuple[re.Pattern, list[re.Pattern], re.Pattern | None]] = {r.name: (re.compile("|".join(f"(?:{p})" for p in r.patterns), _F), [re.compile(p, _F) for p in r.patterns],
                       re.compile("|".join(r.exclude), _F) if r.exclude else None) for r in RULES}
 # When the tail shows only a cascade, fatal roots are looked for in the DEEP bytes before it with
 # raw str.find needles (cheap on tens of MB); the context around each first hit then goes through RULES.

@@ -87,7 +87,7 @@ def save_seconds(from_steps: float | None, from_files: float | None) -> tuple[fl
 
 def mean_save(rows: Iterable[tuple[float | None, int | None]]) -> tuple[float | None, int]:
     """(mean save seconds, count) over attempts' (save_s mean, save_count) pairs, weighted by count."""
-    total = n = 0
+    total, n = 0.0, 0
     for mean, count in rows:
         if mean is not None and count:
             total += mean * count

@@ -1,7 +1,7 @@
 """Goodput: how much of a run's wall-clock time advanced training that was kept.
 
-The accounting (attempt_spans, account, summarize) is pure: no clock, no I/O. goodput_of() reads
-the times the supervisor recorded in the journal it is given and hands them to it.
+Pure: no clock, no I/O. host/journal_goodput.py's goodput_of() reads the times the supervisor recorded in
+the journal and hands them to this accounting (attempt_spans, account, summarize, attempt_times, window_end).
 
 Definitions (after Google's ml-goodput-measurement; see shared/research/anchors.md §4)
 
@@ -29,15 +29,9 @@ second is counted twice.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from orchestrator.types import TERMINAL_STATES, Attempt, State
-
-if TYPE_CHECKING:
-    from orchestrator.host.journal import Journal
 
 PRODUCTIVE = "productive"
 # Label values of orchestrator_lost_seconds_total{cause}; the order is the display order.
@@ -187,13 +181,14 @@ def attempt_times(attempts: list[Attempt], ckpts: list[dict], completed: bool) -
     last_train = max((i for i, a in enumerate(attempts) if a.kind == "train"), default=len(attempts) - 1)
     for i, a in enumerate(attempts):
         end = a.ended_at
-        mine = [c for c in by_step.values() if a.started_at <= saved_at(c)
-                and (end is None or saved_at(c) <= end + (0.0 if c.get("saved_at") else VERIFY_LAG_S))]
+        mine = [c for c in by_step.values() if a.started_at <= (saved_at(c) or 0.0)
+                and (end is None or (saved_at(c) or 0.0) <= end + (0.0 if c.get("saved_at") else VERIFY_LAG_S))]
         if i + 1 < len(attempts):  # the kept work is what the next attempt resumed from
             used = by_step.get(attempts[i + 1].start_step)
             mine = [used] if used in mine else []
         out.append(AttemptTimes(a.started_at, end, a.first_step_at, a.last_step_at,
-                                max((saved_at(c) for c in mine), default=None), a.hang_detected_at,
+                                max((t for c in mine if (t := saved_at(c)) is not None), default=None),
+                                a.hang_detected_at,
                                 completed and i == last_train))
     return out
 
@@ -210,14 +205,3 @@ def window_end(kv: dict, attempts: list[Attempt], spans: list[Span], now: float)
         return updated
     ends = [a.ended_at for a in attempts if a.ended_at is not None] + [s.end for s in spans]
     return min(updated, max(ends)) if ends else updated
-
-
-def goodput_of(j: Journal, now: float | None = None) -> Goodput:
-    """The run's goodput from its journal, up to `now` (default: the wall clock) for a live run."""
-    kv = j.get_all()
-    attempts = j.attempts()
-    now = now or time.time()
-    spans = [Span(s, e, k) for s, e, k in j.spans()]
-    end = window_end(kv, attempts, spans, now)
-    done = kv.get("state") == State.COMPLETED.value
-    return account(attempt_times(attempts, j.checkpoints(), done), spans, now=end)

@@ -363,7 +363,7 @@ def analytic_ratio(sc: Scenario, recovery_s: float, p_step: float | None = None,
     multiple of save_steps. Each checkpoint interval is a renewal: it needs k crash-free steps in a row,
     q = (1-p)^k; expected failures (1-q)/q, each losing E[J | J < k] + 1/2 steps plus recovery_s."""
     p = sum(sc.p_step(c) for c in TRAINING_CLASSES) if p_step is None else p_step
-    k, dt = sc.save_steps, sc.step_s
+    k, dt = int(sc.save_steps), sc.step_s
     first = sc.startup_s if first_start_s is None else first_start_s
     if p <= 0:
         return sc.ideal_s / (sc.ideal_s + first)

@@ -18,14 +18,15 @@ from the CPUs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from orchestrator.config.schema import SupervisorSection
 from orchestrator.domain.interval import D2H_BYTES_PER_S, DEFAULT_WRITE_BYTES_PER_S, save_seconds
 from orchestrator.domain.simulate import FIELD, HARSH, HOUR, LOOPS, TRAINING_CLASSES, Scenario, Summary, compare, simulate
+from orchestrator.types import GIB
 
 MIXES = {"field": FIELD, "harsh": HARSH}
 
-GIB = 2**30
 # The storage budget (storage.py) of the shipped recipes/qwen3.5-397b-a17b-lora-ep8.toml (rank 32,
 # keep_optimizer, merge = "final", so no HF adapter per save): mcore shards 145.6 GiB (+ 0.5 MiB
 # RNG/scheduler) per save, and the merged model, 739.5 GiB, exported once after the last step. The field's
@@ -62,7 +63,7 @@ class Inputs:
     startup_s: float = 480.0
     startup_ratio: float = DEFAULT_STARTUP_RATIO
     crash_rate_per_h: float | None = None           # None: the mix's own rates
-    hang: str = "adaptive"                          # supervisor.hang: the orchestrator's hang timer
+    hang: Literal["adaptive", "fixed"] = "adaptive"  # supervisor.hang: the orchestrator's hang timer
     source: str = "shipped qwen3.5-397b-a17b-lora-ep8 recipe"
 
     def as_dict(self) -> dict:

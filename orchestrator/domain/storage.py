@@ -24,8 +24,8 @@ from orchestrator.config.estimate import lora_param_counts, target_kinds
 from orchestrator.config.model_shape import shape_from_config
 from orchestrator.domain.interval import starting_choice
 from orchestrator.config.recipe import Recipe
+from orchestrator.types import GIB
 
-GIB = 1024**3
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ADAM_FP32_BYTES = 12          # fp32 master copy + exp_avg + exp_avg_sq per LoRA parameter
 RNG_SCHEDULER_BYTES_PER_RANK = 64 << 10

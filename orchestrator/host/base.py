@@ -24,7 +24,8 @@ from orchestrator.types import Command, ExitStatus, GpuSnapshot, SystemEvidence
 class Trainer(Protocol):
     """A launched trainer, as the loop sees it. `status` is set once it has exited."""
 
-    pid: int
+    @property
+    def pid(self) -> int: ...
     create_time: float
     log_path: Path
     started_at: float        # wall clock

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from orchestrator.types import Attempt, CrashClass
+from orchestrator.types import Attempt, AttemptKind, CrashClass
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS attempts (
@@ -138,6 +138,7 @@ class Journal:
         row = asdict(a)
         row["evidence"] = json.dumps(list(a.evidence))
         row["cls"] = a.cls.value if a.cls else None
+        row["kind"] = str(a.kind)
         row["system"] = json.dumps(a.system, default=str) if a.system is not None else None
         cols = ", ".join(row)
         self._write(f"INSERT OR REPLACE INTO attempts ({cols}) VALUES ({', '.join('?' * len(row))})",
@@ -150,6 +151,7 @@ class Journal:
             d["evidence"] = tuple(json.loads(d["evidence"] or "[]"))
             d["cls"] = CrashClass(d["cls"]) if d["cls"] else None
             d["system"] = json.loads(d["system"]) if d["system"] else None
+            d["kind"] = AttemptKind(d.get("kind") or AttemptKind.TRAIN)
             out.append(Attempt(**d))
         return out
 

@@ -72,7 +72,7 @@ class _LostSeconds:
 
 
 class Metrics:
-    """Everything the supervisor reports to Prometheus. Thread-safe (sync runs in a sidecar).
+    """Everything the supervisor reports to Prometheus. Thread-safe (publishing runs in its own thread).
 
     started_at: when the run started (from the journal; default now): the checkpoint age before
     the first checkpoint_saved(). Heartbeat and "last progress" start at construction time, so a

@@ -10,8 +10,8 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from orchestrator.types import GIB
 
-GIB = 1024**3
 PROBE_BYTES = 64 << 20
 
 

@@ -74,7 +74,7 @@ def run(recipe: Path, overrides: tuple[str, ...]) -> None:
 
 def supervise(r: Recipe, on_start=None) -> ExitCode:
     from orchestrator.ops.report import summary
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.loop.supervisor import Supervisor
 
     sup = Supervisor(r, echo=lambda line: click.echo(line, err=True))
     if on_start:

@@ -12,12 +12,12 @@ from orchestrator.host import gpu
 from orchestrator.domain import interval, storage
 from orchestrator.host.probe import first_free_port, probe_write
 from orchestrator.host.node_history import NodeHistory
-from orchestrator import preflight
-from orchestrator.preflight import GIB, check_publish, model_config, stoppers, storage_budget
+from orchestrator.loop import preflight
+from orchestrator.loop.preflight import check_publish, model_config, stoppers, storage_budget
 from orchestrator.config.recipe import Recipe, recipe_hash
 from orchestrator.config.render.command import render_command
 from orchestrator.store.rundir import run_id
-from orchestrator.types import Check, GpuSnapshot
+from orchestrator.types import GIB, Check, GpuSnapshot
 
 
 def memory(r: Recipe, snap: GpuSnapshot) -> estimate.MemoryEstimate:

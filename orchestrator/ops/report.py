@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orchestrator.domain import goodput, progress
 from orchestrator.domain.costs import mean_save
-from orchestrator.domain.goodput import goodput_of
+from orchestrator.host.journal_goodput import goodput_of
 from orchestrator.domain.verdict import NO_OOM_RECORD
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir, published_steps as own_published_steps

@@ -340,7 +340,7 @@ def copy_tree(src: Path, dst: Path, rels: Iterable[str], link_dest: Path | None,
             abort.set()
             for f in futures:
                 f.cancel()
-            raise _cause(futures) or e  # the failing thread's own error, not rsync's kill or a sibling's cancel
+            raise _cause(futures) or e  # noqa: B904 - the failing thread's own error, not rsync's kill or a sibling's cancel
         if (cause := _cause(futures)) is not None:
             raise cause
         results = [f.result() for f in futures]

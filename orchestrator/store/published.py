@@ -94,7 +94,7 @@ class PublishLock:
     Two supervisors of one run name and recipe hash but different output dirs would otherwise publish
     different `checkpoint-N` into the same place. `orchestrator sync --once` does not hold it: it only
     checks (`check_for_sync`) that no supervisor of *another* output dir publishes here; with the
-    supervisor of its own output dir alive it runs, its rounds and the sidecar's serialised by the sync lock."""
+    supervisor of its own output dir alive it runs, its rounds and the publisher thread's serialised by the sync lock."""
 
     def __init__(self, persistent_dir: str | os.PathLike | None, run_name: str, recipe_hash: str,
                  output_dir: str | os.PathLike):

@@ -14,9 +14,8 @@ from orchestrator.store import manifest as mf
 from orchestrator.store.published import PublishLock, publish_dir, published
 from orchestrator.config.recipe import Recipe, RecipeError, recipe_hash, semantic_view
 from orchestrator.store.rundir import place
-from orchestrator.types import CheckpointInfo
+from orchestrator.types import CheckpointInfo, GIB
 
-GIB = 1024**3
 
 
 def _sync_args(r: Recipe, h: str) -> dict:

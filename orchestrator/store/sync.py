@@ -28,12 +28,12 @@ from orchestrator.store import checkpoints as ck
 from orchestrator.store import manifest as mf
 from orchestrator.store.copytree import copy_tree, same_file
 from orchestrator.store.published import copies_in, owned
+from orchestrator.types import GIB
 
 log = logging.getLogger(__name__)
 LOCK = ".orchestrator-sync.lock"
 PARTIAL = ".partial-"
 MCORE_SHARDS = "iter_*/*.distcp"      # optimizer + mcore adapter shards; common.pt stays (resume reads it)
-GIB = 1 << 30
 CANCELLED = "cancelled"
 
 

@@ -1,4 +1,4 @@
-"""The publisher's sidecar thread: a sync round (sync.sync_once) every interval_s and after every verified
+"""The publisher's thread: a sync round (sync.sync_once) every interval_s and after every verified
 save, at most one copying round per publish_interval_s, a last round on stop."""
 from __future__ import annotations
 

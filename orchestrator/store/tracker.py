@@ -135,7 +135,7 @@ class CheckpointTracker:
         if (kv.get("nan_pending") or {}).get("step") is not None:  # a NaN seen, not yet quarantined: keep all
             return 0
         synced = {c["step"] for c in self.journal.checkpoints() if c["ok"] and c["synced_at"]}
-        merged_synced = set(kv.get("merged_synced") or ())  # sidecar.report keeps it
+        merged_synced = set(kv.get("merged_synced") or ())  # publisher.report keeps it
         newest = self.newest_good_step(trusted_through)
         torn = [] if writing else [retention.Local(i.step, i.path, False, False, False) for i in checkpoints.scan(
             self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys()) if not i.complete]

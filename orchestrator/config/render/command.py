@@ -32,11 +32,8 @@ def environment(recipe: Recipe, port: int, extra: dict[str, str]) -> dict[str, s
 
 
 def _backend(recipe: Recipe):
-    if recipe.run.backend == "megatron":
-        from orchestrator.config.render import megatron as backend
-    else:
-        from orchestrator.config.render import swift as backend
-    return backend
+    from orchestrator.config.render import megatron, swift
+    return megatron if recipe.run.backend == "megatron" else swift
 
 
 def duplicated_extra_args(recipe: Recipe) -> list[str]:

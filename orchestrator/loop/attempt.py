@@ -1,7 +1,8 @@
-"""Watching one attempt: tail its log and logging.jsonl, keep what was learnt (steps, losses).
+"""One attempt: tail its log and logging.jsonl and keep what was learnt (steps, losses, saves); record its
+journal row and finish it once it ended.
 
-This is the "gather" half of a pass; the verdicts (hang, NaN, resume divergence) are pure
-functions in policy.py and progress.py.
+AttemptWatch.gather is the reading half of a RUNNING pass (loop/running.py observes with it); the verdicts
+(hang, NaN, resume divergence) are pure functions in domain/policy.py and domain/progress.py.
 """
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orchestrator.domain import costs, progress
+from orchestrator.host.base import Host, Trainer
+from orchestrator.host.journal import Journal
+from orchestrator.host.launch.local import FileTail
 from orchestrator.store import manifest
 from orchestrator.store.checkpoints import logged_losses
-from orchestrator.host.launch.local import FileTail, Launched
-from orchestrator.types import Attempt, Crash, Decision, Progress, Resume
+from orchestrator.types import Attempt, Crash, Decision, Phase, Progress, Resume
 
 
-def finished_record(jsonl_line: str) -> bool:
-    """ms-swift's closing logging.jsonl record (both backends) names the last checkpoint."""
+def closing_record(jsonl_line: str) -> bool:
+    """Tells whether a logging.jsonl line is ms-swift's closing record (both backends), which names the last
+    checkpoint."""
     try:
         rec = json.loads(jsonl_line)
     except ValueError:
@@ -33,7 +37,7 @@ class AttemptWatch:
     and (once it failed) its crash and the decision taken. The supervisor's only per-attempt state."""
 
     n: int
-    launched: Launched
+    launched: Trainer
     port: int
     resume: Resume | None
     row: Attempt                               # as recorded in the journal
@@ -52,7 +56,7 @@ class AttemptWatch:
     crash: Crash | None = None
     decision: Decision | None = None
     first_logged: Progress | None = None       # first logging.jsonl step record of this attempt
-    finished: bool = False                     # the trainer wrote its closing record
+    closing_record_seen: bool = False          # the trainer wrote its closing logging.jsonl record
     bad: tuple[str, ...] = ()                  # the NaN/Inf line, once seen
     bad_step: int | None = None
     resume_checked: bool = False
@@ -65,7 +69,7 @@ class AttemptWatch:
     saves: list[float] = field(default_factory=list)
 
     @classmethod
-    def start(cls, n: int, launched: Launched, port: int, resume: Resume | None, output_dir: Path,
+    def start(cls, n: int, launched: Trainer, port: int, resume: Resume | None, output_dir: Path,
               row: Attempt, save_steps: int | None = None,
               on_cost: Callable[[str, float, dict], None] | None = None) -> AttemptWatch:
         jsonl = output_dir / "logging.jsonl"
@@ -79,7 +83,9 @@ class AttemptWatch:
     @property
     def clean_through(self) -> int:
         """The last step read without a NaN: a save after it may hold poisoned weights (retention waits)."""
-        return self.bad_step - 1 if self.bad else self.last.step if self.last else self.good_step_at_launch
+        if self.bad_step is not None:
+            return self.bad_step - 1
+        return self.last.step if self.last else self.good_step_at_launch
 
     def gather(self, now: float, mono: float, drain: bool = False) -> list[Progress]:
         """Read what is new; returns the new step records (stdout first, then logging.jsonl)."""
@@ -94,8 +100,8 @@ class AttemptWatch:
                 if saved is not None and saved > self.good_step_at_launch:
                     self.saves_pending.add(saved)
         for line in self.jsonl.lines(None if drain else 8 << 20):
-            if finished_record(line):
-                self.finished = True
+            if closing_record(line):
+                self.closing_record_seen = True
                 continue
             p = progress.parse_jsonl_line(line)
             if p is not None:
@@ -150,9 +156,37 @@ class AttemptWatch:
             self.bad, self.bad_step = (line.strip()[:500],), p.step
 
     @property
-    def done(self) -> bool:
+    def at_end(self) -> bool:
+        """The trainer logged its last step, or wrote its closing record."""
         last = self.last
-        return self.finished or (last is not None and last.max_steps is not None and last.step >= last.max_steps)
+        return self.closing_record_seen or (last is not None and last.max_steps is not None
+                                            and last.step >= last.max_steps)
+
+    def record(self, journal: Journal, row: Attempt) -> None:
+        """Records a new version of this attempt's journal row."""
+        self.row = row
+        journal.record_attempt(row)
+
+    def finish(self, journal: Journal, host: Host, crash: Crash, stopped: bool = False) -> None:
+        """Closes this attempt's journal row: its end, exit status, class (none when the orchestrator stopped
+        it), evidence and the steps and times it reached."""
+        host.wait_exit(self.launched, 10)  # the reaper records the exit status right after terminate()
+        st = self.launched.status
+        self.record(journal, replace(self.row, ended_at=host.now(), exit_code=st.code if st else None,
+                                     signal=st.signal if st else None, cls=None if stopped else crash.cls,
+                                     evidence=crash.evidence, end_step=self.last.step if self.last else None,
+                                     first_step_at=self.first_step_at, last_step_at=self.last_step_at,
+                                     hang_detected_at=self.hang_at))
+
+    @property
+    def phase(self) -> Phase:
+        """Where a failure now would be: before the attempt's first training step, or in training."""
+        return Phase.TRAINING if self.first_step is not None else Phase.STARTUP
+
+    @property
+    def open(self) -> bool:
+        """The attempt's journal row is not finished yet."""
+        return self.row.ended_at is None
 
 
 def _file_times(checkpoint_dir: Path) -> list[float]:

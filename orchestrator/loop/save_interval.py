@@ -12,8 +12,6 @@ from orchestrator.host.journal import Journal
 from orchestrator.host.metrics import Metrics
 from orchestrator.host.node_history import NodeHistory
 
-GIB = 1024**3
-
 
 class SaveIntervals:
     def __init__(self, recipe: Recipe, journal: Journal, metrics: Metrics, run_id: str, save_bytes: float,

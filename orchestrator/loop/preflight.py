@@ -19,8 +19,6 @@ from orchestrator.config.recipe import Recipe, expert_count, read_model_config
 from orchestrator.config.render.command import render_command
 from orchestrator.types import Check, GpuSnapshot
 
-GIB = 1024**3
-
 
 def check_model(r: Recipe) -> Check:
     d = Path(r.model.path)
@@ -57,8 +55,10 @@ def model_config(r: Recipe) -> tuple[dict | None, int | None]:
 
 def storage_budget(r: Recipe) -> tuple[storage.StorageBudget, dict[str, dict]]:
     """The budget (keep_local defaulting to what output_dir's disk can hold) and each disk's free and held bytes."""
-    disks = {name: {"path": path, "free_bytes": free_bytes(path), "held_bytes": held_bytes(path)}
-             for name, path in (("output_dir", r.run.output_dir), ("persistent_dir", r.run.persistent_dir)) if path}
+    disks: dict[str, dict] = {}
+    for name, path in (("output_dir", r.run.output_dir), ("persistent_dir", r.run.persistent_dir)):
+        if path:
+            disks[name] = {"path": path, "free_bytes": free_bytes(path), "held_bytes": held_bytes(path)}
     out = disks["output_dir"]
     cfg, total_bytes = model_config(r)
     return storage.budget(r, cfg, total_bytes, out["free_bytes"] + out["held_bytes"]), disks
@@ -77,7 +77,7 @@ def check_storage(r: Recipe, b: storage.StorageBudget, disks: dict[str, dict]) -
     keep_local = [f"lower checkpoint.keep_local (now {b.keep_local})"] if b.keep_local > 1 else []
     fixes_for = {"output_dir": [*keep_local, *fixes],
                  "persistent_dir": [f"lower checkpoint.keep_persistent (now {c.keep_persistent})", *fixes]}
-    need = {"output_dir": b.local_bytes, "persistent_dir": b.persistent_bytes}
+    need = {"output_dir": b.local_bytes, "persistent_dir": b.persistent_bytes or 0}
     per_save = sum(b.per_save_bytes.values())
     for name in ("output_dir", "persistent_dir"):
         d = disks.get(name)

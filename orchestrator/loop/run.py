@@ -1,0 +1,142 @@
+"""The run's context: everything PREFLIGHT opens, in one object with no optional parts, closed by the shutdown.
+
+    open_run   placement (drift), the run lock, the journal, the publish lock, the pre-flight checks, a
+               predecessor's trainers stopped, the publisher and the checkpoint tracker, a NaN quarantine the
+               predecessor left pending, the policy history and save intervals rebuilt from the journal,
+               metrics served, the publisher started
+    close      the final sync, the last prune, the final record, locks released
+
+A failure while opening (a stopping check, a held lock) releases what was opened so far and raises.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from orchestrator.config.recipe import Recipe, RecipeError, semantic_view
+from orchestrator.domain import policy, storage
+from orchestrator.host.base import Host
+from orchestrator.host.journal import Journal, journal_path
+from orchestrator.host.metrics import Metrics
+from orchestrator.loop import preflight
+from orchestrator.loop.save_interval import SaveIntervals
+from orchestrator.store.published import PublishLock
+from orchestrator.store.publisher import Publisher
+from orchestrator.store.rundir import RunLock, place, run_id, state_dir
+from orchestrator.store.tracker import CheckpointTracker
+from orchestrator.types import GIB, State
+
+
+@dataclass
+class RunContext:
+    """What a supervised run holds open between PREFLIGHT and the shutdown."""
+
+    recipe: Recipe                  # as placed: output_dir may be a drifted run's new directory
+    out: Path
+    state_dir: Path
+    run_id: str
+    lock: RunLock
+    journal: Journal
+    publish_lock: PublishLock
+    publisher: Publisher
+    checkpoints: CheckpointTracker
+    intervals: SaveIntervals
+    history: policy.History         # the crash policy's memory, rebuilt from the journal
+    attempts_before: int            # attempt numbers continue the journal's
+    keep_local: int
+    save_gib: float
+    metrics_port: int | None        # None: metrics disabled, or their port was taken
+    completed_before: bool          # an earlier supervisor completed this recipe: nothing to launch
+    closed: bool = False
+
+    def quarantine_nan(self, nan_step: int, attempt_n: int) -> None:
+        """Quarantines the checkpoints written at or after a NaN: the local copies first (no publishing round
+        can republish one), then the published; the pending mark is cleared after both."""
+        self.checkpoints.quarantine(nan_step, attempt_n)
+        self.publisher.quarantine(nan_step, attempt_n)
+        self.journal.put(nan_pending=None)
+
+    def release(self) -> None:
+        """Closes the journal and releases the locks (the last step of close, and of a failed open)."""
+        self.journal.close()
+        self.lock.release()
+        self.publish_lock.release()
+        self.closed = True
+
+
+def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
+             echo: Callable[[str], None] | None = None) -> RunContext:
+    """Opens a run for supervision (see the module docstring); raises RecipeError on a stopping pre-flight
+    check, and the lock's error when another supervisor holds this run."""
+    r = recipe
+    placement = place(r.run.output_dir, hash_, semantic_view(r), r.run.on_drift)
+    if placement.output_dir != Path(r.run.output_dir):
+        r = r.model_copy(update={"run": r.run.model_copy(update={"output_dir": str(placement.output_dir)})})
+    out = Path(r.run.output_dir)
+    with ExitStack() as opened:
+        lock = RunLock(out)
+        lock.acquire()  # raises when another supervisor runs this directory
+        opened.callback(lock.release)
+        journal = Journal(journal_path(state_dir(out)), echo=echo, clock=host.now)
+        opened.callback(journal.close)
+        publish_lock = PublishLock(r.run.persistent_dir, r.run.name, hash_, out)
+        publish_lock.acquire()  # raises when another supervisor publishes into this run's directory
+        opened.callback(publish_lock.release)
+        if placement.note:
+            journal.event("drift", placement.note, keys=list(placement.drifted_keys))
+        failed = preflight.stoppers(preflight.checks(r, host.gpu_snapshot()))
+        if failed:
+            raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
+        _stop_predecessor(r, host, journal, run_id(out))
+        # the publisher starts at the end, after any quarantine, so it never publishes a poisoned checkpoint
+        publisher = Publisher(r, hash_, journal, metrics)
+        checkpoints = CheckpointTracker(r, hash_, out, journal, metrics,
+                                        on_saved=publisher.trigger, in_flight=publisher.in_flight)
+        previous = journal.get_all()
+        earlier = journal.attempts()
+        budget, _ = preflight.storage_budget(r)
+        save_gib = sum(budget.per_save_bytes.values()) / GIB
+        ctx = RunContext(
+            recipe=r, out=out, state_dir=state_dir(out), run_id=run_id(out), lock=lock, journal=journal,
+            publish_lock=publish_lock, publisher=publisher, checkpoints=checkpoints,
+            intervals=SaveIntervals(r, journal, metrics, run_id(out), save_gib * GIB,
+                                    (budget.step_time_s, budget.step_time_source),
+                                    storage.background_bytes(r, budget.per_save_bytes)),
+            history=policy.rebuild_history(earlier, {c["step"] for c in journal.checkpoints() if c["ok"]}),
+            attempts_before=earlier[-1].n if earlier else 0, keep_local=budget.keep_local, save_gib=save_gib,
+            metrics_port=None, completed_before=(previous.get("state") == State.COMPLETED.value
+                                                 and previous.get("recipe_hash") == hash_))
+        pending = previous.get("nan_pending")
+        if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
+            ctx.quarantine_nan(pending["step"], pending["attempt"])
+        metrics.set_info(r.run.name, hash_, r.run.backend, Path(r.model.path).name)
+        if r.metrics.enabled:
+            try:
+                ctx.metrics_port = metrics.serve(r.metrics.listen)
+                journal.put(metrics_port=ctx.metrics_port)
+            except OSError as e:  # a taken metrics port must not cost the run; the down alert will show it
+                journal.event("metrics", f"cannot listen on {r.metrics.listen}: {e}")
+        journal.put(recipe_hash=hash_, semantic_view=semantic_view(r), run=r.run.name,
+                    backend=r.run.backend, output_dir=str(out), supervisor_pid=os.getpid())
+        publisher.start()
+        opened.pop_all()  # open: the shutdown closes it from here on
+    return ctx
+
+
+def _stop_predecessor(r: Recipe, host: Host, journal: Journal, run: str) -> None:
+    """Stops the trainer a supervisor killed with -9 left running (never two trainings on the GPUs) and closes
+    the attempt row it left open."""
+    last = journal.last_attempt()
+    pgids = {last.pid} if last and last.ended_at is None and last.pid and \
+        host.alive(last.pid, last.pid_start_time) else set()
+    leftovers = host.leftovers(run)
+    if pgids or leftovers:
+        journal.event("predecessor", f"stopping {len(leftovers)} process(es) left by an earlier supervisor",
+                      pids=leftovers)
+        host.terminate(run, pgids, r.supervisor.grace_s)
+    if last and last.ended_at is None:
+        journal.record_attempt(replace(last, ended_at=host.now(), cls=last.cls,
+                                       evidence=("supervisor restarted while this attempt ran",)))

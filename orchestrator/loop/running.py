@@ -1,0 +1,227 @@
+"""RUNNING, one pass: observe -> judge -> act.
+
+    observe(a)  I/O only: wait for the poll interval (or the exit), read the new step records, scan and verify
+                checkpoints, keep space, the per-pass housekeeping, drain an exited trainer, the resume check,
+                the hang timer. Returns an Observation: a frozen value of everything a verdict depends on.
+    judge(obs)  pure: the one Verdict of this pass. Its precedence is the order below, table-tested
+                (tests/test_judge.py):
+                  a NaN/Inf seen             -> Crashed (nan_loss), also when the trainer exited after it
+                  the export exited          -> ExportExited
+                  every step done, the last checkpoint verified, a nonzero exit at teardown -> TrainingOver
+                  every step done, exit 0    -> TrainingOver, or Crashed (other) when the last save is torn
+                  any other exit             -> Crashed (classify the log)
+                  a stop requested           -> StopRequested
+                  disk about to fill         -> Crashed (disk_full)
+                  resume divergence          -> ResumeDiverged
+                  hang                       -> Crashed (nccl_timeout_hang, stacks dumped)
+                  otherwise                  -> Keep
+    act         the supervisor (loop/supervisor.py `_running`) carries the verdict out.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orchestrator.domain import policy
+from orchestrator.host.base import Host
+from orchestrator.host.metrics import Metrics
+from orchestrator.loop.attempt import AttemptWatch
+from orchestrator.loop.run import RunContext
+from orchestrator.loop.ticker import Ticker
+from orchestrator.types import AttemptKind, Crash, CrashClass, ExitStatus, Phase
+
+CHECKPOINT_SCAN_S = 2.0
+ECHO_PROGRESS_S = 10.0
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one RUNNING pass saw of the attempt and the run."""
+
+    now: float
+    exit: ExitStatus | None            # None: the trainer still runs
+    kind: AttemptKind
+    phase: Phase
+    nan_line: tuple[str, ...] = ()     # the NaN/Inf line, once seen
+    nan_step: int | None = None
+    at_end: bool = False               # the trainer logged its last step, or wrote its closing record
+    last_step: int | None = None
+    last_verified: bool = False        # the last step's checkpoint verified
+    last_torn: tuple[str, ...] = ()    # why the last step's checkpoint failed verification
+    stop_requested: bool = False
+    disk_full: str | None = None       # why the trainer must stop before it meets ENOSPC
+    resume_divergence: str | None = None
+    hang: str | None = None
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Nothing to do: the next pass."""
+
+
+@dataclass(frozen=True)
+class Crashed:
+    """The attempt failed. `crash`: what the loop saw itself; None: classify its log."""
+
+    crash: Crash | None = None
+    nan_step: int | None = None        # a NaN: recorded as pending before anything else, for a successor
+    hang: bool = False                 # dump the trainer's stacks first
+
+
+@dataclass(frozen=True)
+class TrainingOver:
+    """Every step is done. `teardown_failure`: the nonzero exit after the verified last save, to record."""
+
+    teardown_failure: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportExited:
+    """The export attempt exited: its output decides."""
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    """The operator (a signal) or a spot notice asked to stop."""
+
+
+@dataclass(frozen=True)
+class ResumeDiverged:
+    """The resumed attempt's losses do not continue the run's: give up, saying why."""
+
+    detail: str
+
+
+Verdict = Keep | Crashed | TrainingOver | ExportExited | StopRequested | ResumeDiverged
+
+
+def judge(obs: Observation) -> Verdict:
+    """Returns the one verdict of a RUNNING pass; the precedence is the module docstring's table."""
+    if obs.nan_line:
+        return Crashed(Crash(CrashClass.NAN_LOSS, obs.nan_line, Phase.TRAINING), nan_step=obs.nan_step)
+    if obs.exit is not None:
+        if obs.kind == AttemptKind.EXPORT:
+            return ExportExited()
+        if obs.at_end and obs.exit.code != 0 and obs.last_verified:
+            # every step done and the last save verified: a failure while tearing down (seen: a gloo rank's
+            # "terminate called without an active exception" at exit) leaves nothing to redo
+            how = obs.exit.code if obs.exit.code is not None else f"by signal {obs.exit.signal}"
+            return TrainingOver(f"the trainer exited {how} after its last step {obs.last_step}, whose checkpoint "
+                                "verified: training is complete")
+        if obs.at_end and obs.exit.code == 0:
+            if obs.last_torn:  # not complete: the newest verified checkpoint is older than the last step
+                return Crashed(Crash(CrashClass.OTHER, (
+                    f"the trainer exited 0 at step {obs.last_step} but its final checkpoint failed verification: "
+                    "not complete; find why the save broke, then rerun to redo the steps after the newest "
+                    "verified checkpoint",) + obs.last_torn, Phase.TRAINING))
+            return TrainingOver()
+        return Crashed()
+    if obs.stop_requested:
+        return StopRequested()
+    if obs.disk_full:
+        return Crashed(Crash(CrashClass.DISK_FULL, (obs.disk_full,), obs.phase))
+    if obs.resume_divergence:
+        return ResumeDiverged(obs.resume_divergence)
+    if obs.hang:
+        return Crashed(Crash(CrashClass.NCCL_TIMEOUT_HANG, (obs.hang,), obs.phase), hang=True)
+    return Keep()
+
+
+class Observer:
+    """Observes the running attempt, one pass at a time (the I/O half of RUNNING)."""
+
+    def __init__(self, ctx: RunContext, host: Host, metrics: Metrics, ticker: Ticker, stop_requested: Callable[[], bool],
+                 echo: Callable[[str], None] | None = None):
+        self.ctx, self.recipe, self.host, self.metrics, self.ticker = ctx, ctx.recipe, host, metrics, ticker
+        self.stop_requested, self.echo = stop_requested, echo
+        self.echoed_at = self.scanned_at = float("-inf")  # monotonic times of the last progress line and scan
+
+    def observe(self, a: AttemptWatch) -> Observation:
+        """Waits one poll interval (or for the exit) and returns what the pass saw."""
+        self.host.wait_exit(a.launched, self.recipe.supervisor.poll_s)  # wakes at once on exit
+        now, mono = self.host.now(), self.host.monotonic()
+        for p in a.gather(now, mono):
+            self.metrics.observe_progress(p)
+        self._echo_progress(a, now, mono)
+        disk_full = self.keep_space(a) if self.scan() else None
+        self.ticker.housekeeping()
+        exit_ = a.launched.status
+        if exit_ is not None:
+            self.drain(a)  # everything it wrote before exiting, however much
+        last = a.last.step if a.last else None
+        verified, torn = False, tuple[str, ...]()
+        if exit_ is not None and a.at_end and last is not None:  # how the last step's checkpoint fared
+            verified, torn = self.ctx.checkpoints.verified_at(last), tuple(self.ctx.checkpoints.failed_at(last))
+        return Observation(
+            now=now, exit=exit_, kind=a.row.kind, phase=a.phase, nan_line=a.bad, nan_step=a.bad_step,
+            at_end=a.at_end, last_step=last, last_verified=verified, last_torn=torn,
+            stop_requested=self.stop_requested(), disk_full=disk_full,
+            resume_divergence=self._resume_divergence(a) if exit_ is None else None,
+            hang=self._hang(a, now, mono) if exit_ is None else None)
+
+    def drain(self, a: AttemptWatch) -> None:
+        """Reads everything an exited trainer wrote (log, logging.jsonl, checkpoints) before it is recorded."""
+        for p in a.gather(self.host.now(), self.host.monotonic(), drain=True):
+            self.metrics.observe_progress(p)
+        self.scan(force=True)
+
+    def scan(self, force: bool = False) -> bool:
+        """Scans and verifies new checkpoints, at most every CHECKPOINT_SCAN_S unless forced; True when it did."""
+        mono = self.host.monotonic()
+        if not force and mono - self.scanned_at < CHECKPOINT_SCAN_S:
+            return False
+        self.scanned_at = mono
+        self.ctx.checkpoints.scan(self.host.now())
+        self.ctx.checkpoints.retry_manifests()
+        return True
+
+    def keep_space(self, a: AttemptWatch) -> str | None:
+        """Applies local retention, and under disk pressure (less free than the next save needs) prunes down to
+        the resume point and what is not yet published. Returns why the trainer must stop when even that leaves
+        less than min(next save, min_free_gib): it would meet ENOSPC mid-save."""
+        out, min_free = self.recipe.run.output_dir, self.recipe.supervisor.min_free_gib
+        need = self.ctx.save_gib or min_free
+        free = self.host.free_gib(out)
+        if self.ctx.checkpoints.prune(self.ctx.keep_local, pressure=free < need, trusted_through=a.clean_through):
+            free = self.host.free_gib(out)
+        if free < min(need, min_free):
+            return (f"{out}: {free:.3g} GiB free, the next save needs ~{need:.3g} GiB and nothing more can be "
+                    "pruned: stopped before the trainer meets ENOSPC")
+        return None
+
+    def _echo_progress(self, a: AttemptWatch, now: float, mono: float) -> None:
+        if self.echo and a.last and mono - self.echoed_at >= ECHO_PROGRESS_S:
+            self.echoed_at = mono
+            loss = f" loss {a.last.loss:.4g}" if a.last.loss is not None else ""
+            self.echo(f"{time.strftime('%H:%M:%S', time.localtime(now))} progress: "
+                      f"step {a.last.step}/{a.last.max_steps}{loss}")
+
+    def _resume_divergence(self, a: AttemptWatch) -> str | None:
+        """Compares the resumed attempt's first logged loss with the loss logged at that step before (once)."""
+        if a.resume is None or a.first_logged is None or a.resume_checked:
+            return None
+        a.resume_checked = True
+        p, c = a.first_logged, self.recipe.checkpoint
+        return policy.resume_verdict(a.resume.step, p.step, p.loss, a.prior_losses.get(p.step),
+                                     c.logging_steps, c.resume_loss_tolerance)
+
+    def _hang(self, a: AttemptWatch, now: float, mono: float) -> str | None:
+        """No new step within the attempt's hang timer (policy.hang_timeout), and no save in progress: at 397B a
+        merged copy takes half an hour to write, and no step is logged meanwhile."""
+        s = self.recipe.supervisor
+        timer, why = policy.hang_timeout(s, a.longest_gap_s, a.gaps, len(a.saves),
+                                         evals_apart="eval_steps" in self.recipe.extra_args)
+        if timer != a.hang_timer_s:
+            if a.hang_timer_s is None or a.hang_timer_s >= s.hang_timeout_s > timer:
+                self.ctx.journal.event("hang_timer", f"attempt {a.n}: hang timer {timer:.0f} s: {why}", seconds=timer)
+            a.hang_timer_s = timer
+            self.metrics.hang_timer(timer)
+        hang = policy.hang_verdict(mono, a.launched.started_mono, a.last_step_mono, timer, s.startup_timeout_s)
+        if hang and a.row.kind == AttemptKind.EXPORT:
+            return (f"the export still runs after startup_timeout_s = {s.startup_timeout_s:.0f} s (an export logs "
+                    f"no steps: startup_timeout_s bounds it; raise it for a model this size)")
+        last = self.host.newest_write(self.ctx.out) if hang else None
+        if not hang or (last is not None and now - last < timer):
+            return None
+        return hang if a.last_step_mono is None else f"{hang}: {why}"

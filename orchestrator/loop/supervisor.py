@@ -1,0 +1,245 @@
+"""The supervisor: one loop, one state machine. Each state's handler does that state's work and returns the next
+state; `_enter` is the one place a state changes, and it checks the change against types.TRANSITIONS (an
+unexpected one is a bug and raises). The machine (processes, GPUs, ports, disk, the clock) is reached only
+through the Host port (host/base.py), so every transition is table-tested with an in-memory host
+(tests/test_state_machine.py). Decisions are pure functions (domain/); the parts of the loop receive what they
+use in their constructors:
+
+    run.py        RunContext: everything PREFLIGHT opens (journal, locks, checkpoints, publisher, intervals)
+    ticker.py     the per-pass housekeeping, deliberate waits, goodput spans
+    launch.py     (RE)LAUNCHING                    running.py   RUNNING: observe -> judge -> act
+    recovery.py   VERIFYING, CRASHED, CLEANING, WAITING/BACKOFF
+    export.py     checkpoint.merge = "final": the export attempt after the training
+
+The transitions (generated from types.TRANSITIONS; tests/test_transitions.py keeps this block in step):
+
+{transitions}
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+from orchestrator.config.recipe import Recipe, recipe_hash
+from orchestrator.host import gpu
+from orchestrator.host.base import Host
+from orchestrator.host.metrics import Metrics
+from orchestrator.host.notify import Heartbeat, Notifier
+from orchestrator.host.slurm_host import host_for
+from orchestrator.host.spot import from_recipe as spot_notice
+from orchestrator.loop.attempt import AttemptWatch
+from orchestrator.loop.export import ExportPhase
+from orchestrator.loop.gpu_gate import GpuGate
+from orchestrator.loop.launch import Launcher
+from orchestrator.loop.recovery import Recovery
+from orchestrator.loop.run import RunContext, open_run
+from orchestrator.loop.running import (Crashed, ExportExited, Keep, Observer, ResumeDiverged, StopRequested,
+                                       TrainingOver, judge)
+from orchestrator.loop.states import transitions_text
+from orchestrator.loop.ticker import Ticker
+from orchestrator.types import TERMINAL_STATES, TRANSITIONS, Crash, CrashClass, ExitCode, State
+
+__doc__ = (__doc__ or "").format(transitions=transitions_text())
+
+
+class TransitionError(RuntimeError):
+    """A handler returned a state types.TRANSITIONS does not allow from the current one: a bug."""
+
+
+class Parts:
+    """The loop's parts, made once PREFLIGHT has opened the run."""
+
+    def __init__(self, sup: Supervisor, ctx: RunContext):
+        self.ticker = Ticker(sup.host, ctx.journal, ctx.publisher, sup.metrics, sup.heartbeat, sup.spot,
+                             sup.stop_event, sup.request_stop, lambda: sup.attempt)
+        self.export = ExportPhase(ctx, sup.hash, sup.host)
+        self.recovery = Recovery(ctx, sup.host, sup.gpus, sup.metrics, self.ticker, sup.stop_event, sup.request_stop)
+        self.launcher = Launcher(ctx, sup.host, sup.gpus, sup.metrics, sup.notifier, self.ticker, self.export,
+                                 sup.stop_event)
+        self.observer = Observer(ctx, sup.host, sup.metrics, self.ticker, sup.stop_event.is_set, sup.echo)
+
+
+class Supervisor:
+    def __init__(self, recipe: Recipe, *, host: Host | None = None, gpu_reader: gpu.GpuReader | None = None,
+                 install_signals: bool = True, echo=None):
+        """`host`: the machine (default: this one, GPUs through `gpu_reader` or NVML per the recipe);
+        `echo`: a callable for one-line narration (events, progress) on the console."""
+        self.recipe, self.echo = recipe, echo
+        self.host: Host = host or host_for(recipe, gpu_reader or gpu.reader(recipe.gpu.check))
+        self.hash = recipe_hash(recipe)
+        self.stop_event = threading.Event()
+        self.stop_reason = ""
+        self.state = State.PREFLIGHT
+        self.attempt: AttemptWatch | None = None  # the running (or last) attempt
+        self.exit_reason = ""
+        self.metrics = Metrics(sync_enabled=recipe.run.persistent_dir is not None, clock=self.host.now,
+                               max_crashes_per_hour=recipe.supervisor.max_crashes_per_hour)
+        self.notifier = Notifier.from_env()
+        self.heartbeat = Heartbeat(self.notifier, clock=self.host.monotonic)
+        self.spot = spot_notice(recipe.supervisor)
+        self.gpus = GpuGate(recipe, self.host, self.metrics)
+        self.ctx: RunContext | None = None    # opened by PREFLIGHT
+        self.parts: Parts | None = None
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # USR1: Slurm's --signal ahead of the time limit
+                signal.signal(sig, lambda s, _f: self.request_stop(f"signal {signal.Signals(s).name}"))
+
+    # --- the loop -----------------------------------------------------------------------------
+    def run(self) -> ExitCode:
+        """Supervises until a terminal state; returns the exit code."""
+        try:
+            while self.state not in TERMINAL_STATES:
+                self.step()
+        finally:
+            self.shutdown()
+        return ExitCode.GAVE_UP if self.state is State.GAVE_UP else ExitCode.OK
+
+    def step(self) -> State:
+        """Does one state's work: runs its handler and enters the state it returns (the table tests call this)."""
+        handler = {
+            State.PREFLIGHT: self._preflight, State.VERIFYING: self._verifying,
+            State.LAUNCHING: self._launch, State.RELAUNCHING: self._launch, State.RUNNING: self._running,
+            State.CRASHED: self._crashed, State.CLEANING: self._cleaning, State.WAITING: self._waiting,
+            State.BACKOFF: self._waiting, State.STOPPING: self._stopping,
+        }[self.state]
+        self._enter(handler())
+        return self.state
+
+    def request_stop(self, reason: str) -> None:
+        """Asks the loop to stop gracefully (a signal, a spot notice, a requeue)."""
+        self.stop_reason = self.stop_reason or reason
+        self.stop_event.set()
+
+    def _enter(self, state: State) -> None:
+        if state not in TRANSITIONS[self.state]:
+            raise TransitionError(f"{self.state.value} -> {state.value} is not in types.TRANSITIONS")
+        journal = self._ctx.journal
+        if state is not self.state:
+            journal.event("state", f"{self.state.value} -> {state.value}")
+        self.state = state
+        self.metrics.set_state(state)
+        step = self.attempt.last.step if self.attempt and self.attempt.last else None
+        journal.put(state=state.value, updated_at=self.host.now(), attempt=self.attempt.n if self.attempt else 0,
+                    **({"step": step} if step is not None else {}))  # keep the last step across a relaunch
+        self.notifier.status(f"{state.value}" + (f" step {step}" if step is not None else ""))
+
+    @property
+    def _ctx(self) -> RunContext:
+        assert self.ctx is not None, "the run is opened by PREFLIGHT"
+        return self.ctx
+
+    @property
+    def _parts(self) -> Parts:
+        assert self.parts is not None, "the loop's parts are made by PREFLIGHT"
+        return self.parts
+
+    @property
+    def _attempt(self) -> AttemptWatch:
+        assert self.attempt is not None, "only states after a launch act on the attempt"
+        return self.attempt
+
+    # --- states -------------------------------------------------------------------------------
+    def _preflight(self) -> State:
+        self.ctx = ctx = open_run(self.recipe, self.hash, self.host, self.metrics, self.echo)
+        self.recipe = ctx.recipe  # as placed
+        self.parts = Parts(self, ctx)
+        self.notifier.ready(f"preflight ok, recipe {self.hash[:12]}")
+        if ctx.completed_before:
+            ctx.journal.event("complete", "this run already completed: nothing to launch (final sync only)")
+            return State.COMPLETED
+        return State.VERIFYING
+
+    def _verifying(self) -> State:
+        return self._parts.recovery.verify_gpus(relaunch=self.attempt is not None)
+
+    def _launch(self) -> State:
+        launcher = self._parts.launcher
+        state, launched = launcher.launch(self.attempt)
+        self.attempt = launched or self.attempt
+        self.exit_reason = launcher.exit_reason or self.exit_reason
+        return state
+
+    def _running(self) -> State:
+        """RUNNING: observe -> judge -> act (loop/running.py); the acting is here, in one place."""
+        a, parts = self._attempt, self._parts
+        match judge(parts.observer.observe(a)):
+            case Keep():
+                return State.RUNNING
+            case Crashed(crash=crash, nan_step=nan_step, hang=hang):
+                if nan_step is not None:  # survives a kill before the cleanup's quarantine
+                    self._ctx.journal.put(nan_pending={"attempt": a.n, "step": nan_step})
+                if hang:
+                    a.hang_at = self.host.now()
+                    self.host.dump_stacks(a.launched.pid, self._ctx.state_dir / f"stacks-{a.n:04d}.txt")
+                return parts.recovery.crashed(a, crash)
+            case TrainingOver(teardown_failure=teardown):
+                if teardown:
+                    self._ctx.journal.event("teardown_failure", teardown)
+                return parts.export.after_training(a)
+            case ExportExited():
+                exported = parts.export.export_exited(a)
+                return exported if isinstance(exported, State) else parts.recovery.crashed(a, exported)
+            case StopRequested():
+                return State.STOPPING
+            case ResumeDiverged(detail=detail):
+                return self._give_up_on_divergence(a, detail)
+        raise AssertionError("judge returned an unknown verdict")
+
+    def _crashed(self) -> State:
+        return self._parts.recovery.decide(self._attempt)
+
+    def _cleaning(self) -> State:
+        a = self._attempt
+        state = self._parts.recovery.clean(a)
+        if state is State.GAVE_UP and a.decision:
+            self.exit_reason = a.decision.reason
+        return state
+
+    def _waiting(self) -> State:
+        return self._parts.recovery.wait(self._attempt)
+
+    def _stopping(self) -> State:
+        a, ctx = self._attempt, self._ctx
+        ctx.journal.event("stop", f"stopping: {self.stop_reason}")
+        self.host.terminate(ctx.run_id, {a.launched.pid}, self.recipe.supervisor.grace_s)
+        self.host.wait_exit(a.launched, 10)  # the exit status is recorded right after terminate()
+        self._parts.observer.drain(a)  # the steps and the checkpoint it wrote on the way out
+        a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER, (f"stopped by orchestrator: {self.stop_reason}",)),
+                 stopped=True)
+        return State.STOPPED
+
+    def _give_up_on_divergence(self, a: AttemptWatch, detail: str) -> State:
+        """The resume loaded weights whose losses do not continue the run's: retrying cannot help. The trainer
+        is stopped and its row finished, saying why."""
+        ctx = self._ctx
+        self.metrics.resume_divergence()
+        ctx.journal.event("resume_divergence", detail)
+        self.exit_reason = f"resume divergence: {detail}"
+        self.host.terminate(ctx.run_id, {a.launched.pid}, self.recipe.supervisor.grace_s)
+        a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER, (f"stopped by orchestrator: {self.exit_reason}",)),
+                 stopped=True)
+        return State.GAVE_UP
+
+    # --- shutdown -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Closes the run: the open attempt's row finished, the final sync, the last prune, the final record,
+        the locks released. Does nothing before PREFLIGHT opened the run, or a second time."""
+        ctx, parts = self.ctx, self.parts
+        if ctx is None or parts is None or ctx.closed:
+            return
+        a = self.attempt
+        if self.state in TERMINAL_STATES and a and a.open:  # every terminal path finishes the running attempt
+            parts.observer.drain(a)
+            a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER), stopped=True)
+        if self.state is State.GAVE_UP:
+            ctx.journal.event("gave_up", self.exit_reason)
+        self.notifier.stopping(f"{self.state.value}: final sync")  # disarms the watchdog for the final sync
+        ctx.checkpoints.close()  # manifests first: the final sync publishes what they describe
+        ctx.publisher.stop(final_sync=True)
+        ctx.checkpoints.prune(ctx.keep_local, pressure=False, writing=False)  # what the final sync published
+        parts.ticker.housekeeping(goodput_now=True)  # final goodput and sync figures
+        if self.state is State.GAVE_UP and self.recipe.metrics.enabled:
+            self.host.wait(self.stop_event, self.recipe.metrics.linger_s)  # let Prometheus scrape gave_up
+        ctx.journal.put(state=self.state.value, exit_reason=self.exit_reason, updated_at=self.host.now())
+        self.metrics.close()
+        ctx.release()
