@@ -1,74 +1,23 @@
-"""Shared fixtures: a valid minimal megatron recipe on disk, with a tiny model dir and a dataset file."""
+"""Shared fixtures. Helpers live in tests/support/ (on sys.path from here, so tests import them by name:
+`from fake_host import FakeHost`); no test module imports another."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
-DROP = object()  # write_recipe(..., optim={"iterations": DROP}) removes the key
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from loop_world import supervisors  # noqa: E402
+from recipes import write_recipe  # noqa: E402
+from slurm_cluster import cluster  # noqa: E402, F401 (the module-scoped 3-node cluster fixture)
+
 
 # 8 GPUs, EP 8 over a 16-expert model, DP 8, global batch 16.
-MINIMAL = {
-    "run": {"name": "t", "backend": "megatron", "output_dir": "out"},
-    "model": {"path": "model"},
-    "data": {"dataset": ["data.jsonl"]},
-    "parallel": {"nproc_per_node": 8, "expert": 8},
-    "optim": {"lr": 1e-4, "iterations": 10},
-}
-MODEL_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
-                "vocab_size": 1000, "num_experts": 16, "moe_intermediate_size": 32,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-
-
-def merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if v is DROP:
-            out.pop(k, None)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def to_toml(data: dict) -> str:
-    """Just enough TOML for recipes: top-level tables of scalars / lists, one level of sub-tables."""
-    def emit(prefix: str, table: dict) -> list[str]:
-        lines, subs = [f"[{prefix}]"], []
-        for k, v in table.items():
-            if isinstance(v, dict):
-                subs += emit(f"{prefix}.{k}", v)
-            else:
-                lines.append(f"{k} = {json.dumps(v)}")
-        return lines + [""] + subs
-    scalars = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    tables = [line for k, v in data.items() if isinstance(v, dict) for line in emit(k, v)]
-    return "\n".join(scalars + tables)
-
-def make_model(directory: Path, config: dict | None = MODEL_CONFIG, weights: bool = True) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    if config is not None:
-        (directory / "config.json").write_text(json.dumps(config))
-    if weights:
-        (directory / "model.safetensors").write_bytes(b"\0" * 8)
-    return directory
-
-
-def write_recipe(directory: Path, /, name: str = "recipe.toml", *, base: dict = MINIMAL, **sections) -> Path:
-    """The one recipe writer of the tests: `base` with `sections` deep-merged in, as TOML in
-    `directory`, beside the tiny model directory and the dataset file its relative paths name."""
-    make_model(directory / "model")
-    (directory / "data.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    path = directory / name
-    path.write_text(to_toml(merge(base, sections)))
-    return path
 
 
 @pytest.fixture(name="write_recipe")
@@ -129,3 +78,26 @@ def tiny(tmp_path_factory):
     from orchestrator.ops import tiny
 
     return tiny.build(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def world(write_recipe):
+    """make(**sections) -> (Supervisor, FakeHost): supervisors on the in-memory host, shut down after the test."""
+    yield from supervisors(write_recipe)
+
+
+# Helpers whose use makes a test end to end: real processes under a supervisor, a Slurm cluster, Prometheus.
+E2E_HELPERS = frozenset({"supervised", "prom", "chaos", "slurm_cluster", "swift_recipe"})
+E2E_MODULES = frozenset({"test_demo", "test_swift_parse", "test_fake_trainer", "test_evidence", "test_setup",
+                         "test_service", "test_bench_smoke"})
+
+
+def pytest_collection_modifyitems(items):
+    """Marks the end-to-end tests `e2e` (the fast part is -m "not e2e"): those in a module that uses an end-to-end
+    helper, those of the real-swift and Slurm suites, and the modules listed above."""
+    for item in items:
+        module = item.module
+        helpers = {getattr(v, "__module__", None) for v in vars(module).values()}
+        if (module.__name__ in E2E_MODULES or helpers & E2E_HELPERS or item.get_closest_marker("swift")
+                or "cluster" in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from supervised import write_recipe
-from test_checkpoints import make_megatron
+from checkpoint_dirs import make_megatron
 
 from orchestrator.host.journal import Journal
 from orchestrator.host.metrics import Metrics

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_recipe
-from test_checkpoints import link_last, make_megatron
+from recipes import write_recipe
+from checkpoint_dirs import link_last, make_megatron
 from orchestrator.config.recipe import load
 from orchestrator.host.journal import Journal
 from orchestrator.host.metrics import Metrics

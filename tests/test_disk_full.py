@@ -4,25 +4,13 @@ recorded. Skipped with the reason where tmpfs cannot be mounted."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 
+from disk import fill
 from supervised import attempts, events, fake_recipe, wait_for
 from orchestrator.config.recipe import load
 from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import Action, CrashClass, ExitCode, State
-
-
-def fill(path, leave: int = 0) -> None:
-    """Write a file until the filesystem has at most `leave` bytes free (ENOSPC ends it)."""
-    free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize - leave
-    with open(path, "wb") as f:
-        try:
-            while free > 0:
-                free -= f.write(b"\0" * min(free, 1 << 20))
-                f.flush()
-        except OSError:
-            pass
 
 
 def test_a_disk_filled_by_something_else_while_training(tmp_path, small_disk):

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from supervised import wait_for
-from test_isolation import assert_copies_are_the_runs, snapshot
+from isolation_check import assert_copies_are_the_runs, snapshot
 
 from orchestrator.store.published import copies_in, publish_dir
 from orchestrator.config.recipe import load, recipe_hash

@@ -14,7 +14,7 @@ from orchestrator.config.recipe import recipe_hash
 from orchestrator.store.rundir import state_dir
 from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import ExitCode
-from test_e2e_swift import recipe
+from swift_recipe import recipe
 
 pytestmark = [pytest.mark.swift,
               pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")]

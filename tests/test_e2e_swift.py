@@ -22,27 +22,15 @@ from orchestrator.host.gpu import NullReader
 from orchestrator.host.base import LocalHost
 from orchestrator.ops.demo import inject_kill
 from orchestrator.store.published import publish_dir
-from orchestrator.config.recipe import load
 from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import CrashClass, ExitCode, State
-from supervised import attempts, events, free_port_range
+from supervised import attempts, events
+from swift_recipe import recipe
 
 pytestmark = [pytest.mark.swift,
               pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")]
 
 DEMO = Path(__file__).resolve().parents[1] / "orchestrator" / "data" / "demo-cpu.toml"
-
-
-def recipe(tiny, out: Path, *extra: str):
-    lo, hi = free_port_range(20)
-    return load(DEMO, [f"model.path={json.dumps(tiny['model'])}", f"data.dataset=[{json.dumps(tiny['data'])}]",
-                       f"run.output_dir={json.dumps(str(out / 'out'))}",
-                       f"run.persistent_dir={json.dumps(str(out / 'persist'))}",
-                       "optim.iterations=30", "checkpoint.save_steps=10", "metrics.listen=\"127.0.0.1:0\"",
-                       "metrics.linger_s=0", "supervisor.wait_s=0.5", "supervisor.poll_s=0.1",
-                       f"supervisor.port_range=[{lo}, {hi}]",
-                       'checkpoint.merge="never"',  # these runs are about training (the export: test_e2e_merge_final)
-                       *extra])
 
 
 def losses(out: Path) -> dict[int, float]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import MINIMAL, ROOT, merge
+from recipes import MINIMAL, ROOT, merge
 from orchestrator.config import estimate as E
 from orchestrator.config import model_shape as M
 from orchestrator.ops import plan

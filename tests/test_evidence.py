@@ -17,7 +17,7 @@ from orchestrator.host.evidence import AttemptEvidence, KernelLine, kernel_lines
 from orchestrator.host.base import LocalHost
 from orchestrator.types import Command, CrashClass, Phase
 from orchestrator.domain.verdict import NO_OOM_RECORD, classify_attempt
-from test_disk_full import fill
+from disk import fill
 
 V1_MEMORY = Path("/sys/fs/cgroup/memory")
 # A trainer stand-in: waits on a FIFO (the test's go), then touches `MiB` MiB of memory page by page.

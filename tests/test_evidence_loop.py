@@ -10,7 +10,7 @@ import pytest
 from fake_host import GIB
 from orchestrator.types import CrashClass, DiskSpace, GpuFault, OomKill, PortOwner, State, SystemEvidence
 from orchestrator.domain.verdict import NO_OOM_RECORD
-from test_state_machine import MAX, OOM, crashed, drive, journal, running, world  # noqa: F401 (a fixture)
+from loop_world import MAX, OOM, crashed, drive, journal, running
 
 NCCL = "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error"
 PORT = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import crash_texts  # noqa: E402
 from orchestrator.types import CrashClass  # noqa: E402
 
-FAKE = str(Path(__file__).with_name("fake_trainer.py"))
+FAKE = str(Path(__file__).parent / "support" / "fake_trainer.py")
 FAST = {"FAKE_STARTUP_S": "0", "FAKE_STEP_S": "0.001", "FAKE_NPROC": "8", "MASTER_PORT": "29611"}
 
 

@@ -47,12 +47,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from conftest import MINIMAL, MODEL_CONFIG, RECIPES, ROOT, make_model
+from recipes import MINIMAL, MODEL_CONFIG, RECIPES, ROOT, make_model
 from orchestrator.ops.plan import plan as make_plan
 from orchestrator.config import flags as F
 from orchestrator.config.recipe import Recipe, RecipeError, apply_overrides, load
 from orchestrator.config.render.command import rendering_problems
-from orchestrator.config import flags as F
 from orchestrator.types import GpuSnapshot
 
 N_LOAD = 1000
@@ -668,7 +667,7 @@ FOUND = [
 
 @pytest.mark.parametrize("sections,overrides,fragments", [f[1:] for f in FOUND], ids=[f[0] for f in FOUND])
 def test_found_by_the_fuzzer(tmp_path, sections, overrides, fragments):
-    from conftest import merge
+    from recipes import merge
 
     path = _workdir(tmp_path)
     data = merge(MINIMAL, sections)

@@ -114,3 +114,16 @@ def test_type_checking_imports_count():
 def test_nothing_of_the_loop_is_left_at_the_package_top():
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert top == ["__init__.py", "__main__.py", "types.py"], top
+
+
+def test_no_test_module_imports_another():
+    """Helpers live in tests/support/ and shared fixtures in conftest.py: a test module imports neither another
+    test module nor conftest."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in sorted(tests.glob("test_*.py")) + sorted((tests / "support").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path.name} imports {n}" for n in names if n.startswith("test_") or n == "conftest"]
+    assert not bad, "\n".join(bad)

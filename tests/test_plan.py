@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from conftest import MODEL_CONFIG, RECIPES, make_model
+from recipes import MODEL_CONFIG, RECIPES, make_model
 from orchestrator.host import probe as host_probe
 from orchestrator.ops import plan
 from orchestrator.loop import preflight

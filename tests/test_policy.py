@@ -175,7 +175,7 @@ def test_no_progress_guard(stalled_before, cls, progress, action):
 def test_simulated_run_without_progress_gives_up_at_limit(limit):
     cfg = SupervisorSection(max_relaunches_without_progress=limit, max_crashes_per_hour=100)
     h, now = History(), NOW
-    for n in range(1, 20):
+    for n in range(1, 20):  # noqa: B007 - n is the count at the give-up, read after the loop
         c = crash(C.OOM_DURING_TRAINING)
         d = decide(c, h, cfg, now, checkpoint_progress=False)
         if d.action is Action.GIVE_UP:

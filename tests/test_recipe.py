@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DROP, MINIMAL, MODEL_CONFIG, RECIPES, ROOT, make_model, merge
+from recipes import DROP, MINIMAL, MODEL_CONFIG, RECIPES, ROOT, make_model, merge
 from orchestrator.config import recipe as R
 from orchestrator.config.recipe import RecipeError, apply_overrides, changed_keys, parse_override, recipe_hash, semantic_view
 

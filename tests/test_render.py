@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import DROP, RECIPES
+from recipes import DROP, RECIPES
 from orchestrator.config import recipe as R
 from orchestrator.config import flags
 from orchestrator.config.render import command

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import MODEL_CONFIG, RECIPES
+from recipes import MODEL_CONFIG, RECIPES
 from orchestrator.config import recipe as R
 from orchestrator.config.render.export import mtp_layers, render_export
 

@@ -42,7 +42,7 @@ def test_checkpoints_that_would_fill_the_disk_fit_with_retention(tmp_path, small
 def test_a_kill_during_pruning_loses_nothing(tmp_path):
     """A process that decided to prune checkpoint-10 is killed between the rename and the delete: its successor
     finishes the delete, and every other checkpoint is intact."""
-    from test_checkpoints import make_megatron  # a real-format megatron checkpoint
+    from checkpoint_dirs import make_megatron  # a real-format megatron checkpoint
 
     out = tmp_path / "out"
     for step in (10, 20, 30):

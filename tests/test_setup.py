@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import tomllib
 
-from conftest import ROOT
+from recipes import ROOT
 
 LOCAL_TAG = re.compile(r"torch==[0-9.]+\+")
 

@@ -218,7 +218,7 @@ def test_an_impossible_run_ends_at_the_wall_cap():
 # --- issue 13: saves, waits and starts priced (simulate_report.py); `orchestrator simulate` ----------
 
 def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
-    from conftest import RECIPES
+    from recipes import RECIPES
     from orchestrator.domain import storage
     from orchestrator.config.recipe import load
     r = load(next(p for p in RECIPES if p.name.startswith("qwen3.5-397b")))

@@ -19,7 +19,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from slurm_cluster import cluster  # noqa: F401 (the module-scoped fixture: one cluster per test module)
 from orchestrator.host.launch import local as launcher
 from orchestrator.loop import preflight
 from orchestrator.host import dir_check

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-from slurm_cluster import cluster  # noqa: F401 (the module-scoped fixture: one cluster per test module)
 from orchestrator.config.recipe import load
 from orchestrator.host.launch import sbatch
 from supervised import FAKE, events, fake_recipe, journal

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from test_checkpoints import make_megatron
-from test_state_machine import BASE, MAX, OOM, drive, journal, world  # noqa: F401 (world: the fixture)
+from checkpoint_dirs import make_megatron
+from loop_world import BASE, MAX, OOM, drive, journal
 from orchestrator.types import Action, CrashClass, State
 
 FINAL = {"checkpoint": {"merge": "final"}, "lora": {"rank": 8, "alpha": 32}}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import MODEL_CONFIG, RECIPES, make_model
+from recipes import MODEL_CONFIG, RECIPES, make_model
 from orchestrator.config import estimate as E
 from orchestrator.host import probe as host_probe
 from orchestrator.ops import plan

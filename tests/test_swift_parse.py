@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from recipes import ROOT
 from orchestrator.config import model_shape
 from orchestrator.ops import tiny
 from orchestrator.config import recipe as R

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_checkpoints import make_megatron, make_merged, make_swift
+from checkpoint_dirs import make_megatron, make_merged, make_swift
 
 from orchestrator.store import checkpoints as ck
 from orchestrator.store import copytree, sync

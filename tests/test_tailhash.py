@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_checkpoints import make_swift
+from checkpoint_dirs import make_swift
 
 from orchestrator.store import copytree, sync
 from orchestrator.store import manifest as mf

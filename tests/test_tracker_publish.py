@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import write_recipe
-from test_checkpoints import make_megatron
+from recipes import write_recipe
+from checkpoint_dirs import make_megatron
 from orchestrator.config.recipe import load
 from orchestrator.host.journal import Journal
 from orchestrator.host.metrics import Metrics

@@ -36,23 +36,9 @@ def test_readme_and_docstring_carry_the_table():
     assert text in (supervisor_module.__doc__ or "")
 
 
-def test_an_unexpected_transition_raises(world_sup):
-    sup = world_sup
+def test_an_unexpected_transition_raises(world):
+    sup, _ = world()
     assert sup.step() is State.VERIFYING
     with pytest.raises(TransitionError, match="verifying -> cleaning"):
         sup._enter(State.CLEANING)
     assert sup.state is State.VERIFYING, "nothing changed"
-
-
-@pytest.fixture
-def world_sup(write_recipe):
-    import sys
-
-    from fake_host import FakeHost
-    from orchestrator.config.recipe import load
-    from orchestrator.loop.supervisor import Supervisor
-
-    sup = Supervisor(load(write_recipe(run={"entrypoint": [sys.executable]}, metrics={"enabled": False})),
-                     host=FakeHost(), install_signals=False)
-    yield sup
-    sup.shutdown()

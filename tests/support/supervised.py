@@ -8,14 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import merge, write_recipe
+from recipes import merge, write_recipe
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import load, recipe_hash
 from orchestrator.store.rundir import state_dir
 
 FAKE = str(Path(__file__).with_name("fake_trainer.py"))
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _PORT = [30000 + (os.getpid() % 500) * 20]
 
 

@@ -142,13 +142,12 @@ def start(root: Path, cpus: int = 2, timeout: float = 30) -> Cluster:
     for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
         del env[k]  # never attach to an allocation of some outer cluster
     cluster = Cluster(root, env)
-    sbin = lambda exe: shutil.which(exe) or f"/usr/sbin/{exe}"
     try:
-        subprocess.run([sbin("slurmctld"), "-i"], env=env, check=True, timeout=30,
+        subprocess.run([_sbin("slurmctld"), "-i"], env=env, check=True, timeout=30,
                        capture_output=True)
         cluster.pids.append(_pid(root / "slurmctld.pid", timeout))
         for n in NODES:
-            subprocess.run([sbin("slurmd"), "-N", n], env=env, check=True, timeout=30, capture_output=True)
+            subprocess.run([_sbin("slurmd"), "-N", n], env=env, check=True, timeout=30, capture_output=True)
             cluster.pids.append(_pid(root / f"slurmd-{n}.pid", timeout))
         deadline = time.monotonic() + timeout
         while cluster.idle_nodes() != set(NODES):
@@ -173,3 +172,7 @@ def cluster(tmp_path_factory):
         pytest.skip(f"Slurm test cluster did not start: {e}")
     yield c
     c.stop()
+
+
+def _sbin(exe: str) -> str:
+    return shutil.which(exe) or f"/usr/sbin/{exe}"

@@ -186,7 +186,7 @@ def plan_long_run(rng: random.Random, name: str, n: int, hang_mode: str, sup_kin
         cl, budget = [(prim, "primary")], budget - 1
         if prim is not C.DISK_FULL:  # disk_full's attempt runs through c+1: a follower would fire mid-training
             extra = []
-            spare = lambda: budget - len(cover_p) - len(cover_f) > 0  # noqa: E731 - coverage first
+            spare = lambda: budget - len(cover_p) - len(cover_f) > 0  # noqa: E731, B023 - coverage first, read now
             if budget > len(cover_p) and (C.PORT_IN_USE in cover_f or rng.random() < 0.3 and spare()):
                 extra.append(C.PORT_IN_USE)
                 budget -= 1
@@ -836,7 +836,7 @@ class Run:
                 slots.append((a.started_at, "completed", None, a.n))
             else:
                 v.append(f"attempt {a.n} ended (exit {a.exit_code}, signal {a.signal}) without a class")
-        for (pid, ctime), seen in sampler.trainers.items():
+        for pid, ctime in sampler.trainers:
             if (pid, round(ctime)) in known or any(pid == a.pid for a in attempts):
                 continue
             # the row is written before the trainer starts: a supervisor killed in between leaves it without a pid

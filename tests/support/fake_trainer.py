@@ -290,10 +290,9 @@ class Fake:
         pct = 100 * step // self.max
         full, part = divmod(step * 10 * 8 // self.max, 8)
         cells = ("█" * full + (" ▏▎▍▌▋▊▉"[part] if full < 10 else ""))[:10].ljust(10)
-        mmss = lambda s: f"{int(s) // 60:02d}:{int(s) % 60:02d}"
         speed = f"{rate:.2f}it/s" if rate >= 1 or rate == 0 else f"{1 / rate:.2f}s/it"
         sys.stderr.write(f"\rTrain: {pct:3d}%|{cells}| {step}/{self.max} "
-                         f"[{mmss(el)}<{mmss((self.max - step) / rate if rate else 0)}, {speed}]")
+                         f"[{_mmss(el)}<{_mmss((self.max - step) / rate if rate else 0)}, {speed}]")
         sys.stderr.flush()
 
     def log(self, step: int) -> None:
@@ -442,6 +441,10 @@ class Fake:
         self.append_jsonl(final)
         info(f"End time of running main: {dt.datetime.now():%Y-%m-%d %H:%M:%S.%f}")
         sys.exit(0)
+
+
+def _mmss(s: float) -> str:
+    return f"{int(s) // 60:02d}:{int(s) % 60:02d}"
 
 
 if __name__ == "__main__":

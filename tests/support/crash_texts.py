@@ -408,7 +408,6 @@ def text(cls: CrashClass | str, *, step: int, nranks: int, port: int, backend: s
     elif cls is CrashClass.HOST_OOM_KILLED:
         die(-9)  # the kernel's SIGKILL leaves no trace in the worker; only torchrun reports it
     elif cls is CrashClass.DISK_FULL:
-        ckpt = f"{output_dir}/checkpoint-{step}"
         if backend == "swift":
             first = _tb([("transformers/trainer.py", 3530, "_save_optimizer_and_scheduler",
                           "torch.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))"),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PROMETHEUS = shutil.which("prometheus")
-ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"  # the shipped rules, as they are
+ALERT_RULES = Path(__file__).resolve().parents[2] / "monitoring" / "alerts.yml"  # the shipped rules, as they are
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
 
 
