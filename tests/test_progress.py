@@ -1,11 +1,17 @@
-"""Progress lines from real ms-swift 4.x output formats."""
+"""Progress lines in ms-swift 4.x output formats (pastes from public threads: test_progress_real.py)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from orchestrator.domain.progress import andon, from_record, is_bad_number, parse_jsonl_line, parse_line
+from orchestrator.domain.progress import (
+    andon,
+    from_record,
+    is_bad_number,
+    parse_jsonl_line,
+    parse_line,
+)
 from orchestrator.types import Progress
 
 NAN = float("nan")
@@ -28,8 +34,8 @@ TQDM = "Train:  33%|███▎      | 2/6 [00:00<00:00, 36.42it/s]"
 GOOD = [
     ("megatron-1", MEGATRON_1, Progress(1, 400, 1.40617847, 0.38101375, 2e-05, 70.12, 41.002815)),
     ("megatron-5", MEGATRON_5, Progress(5, 400, 1.31874514, 0.29114506, 9.96e-05, 71.3, 33.006614)),
-    ("megatron-runbook", "{'loss': 0.143, 'grad_norm': 0.21, 'learning_rate': 5.5e-07, 'iteration': '400/426', "
-                         "'memory(GiB)': 113.6, 'train_speed(s/it)': 4.6}",
+    ("megatron-runbook", ("{'loss': 0.143, 'grad_norm': 0.21, 'learning_rate': 5.5e-07, 'iteration': '400/426', "
+                         "'memory(GiB)': 113.6, 'train_speed(s/it)': 4.6}"),
      Progress(400, 426, 0.143, 0.21, 5.5e-07, 113.6, 4.6)),
     ("swift-t5", SWIFT_T5, Progress(1, 30, 7.43, 1.873, 9.973e-05, None, 0.02664)),
     ("swift-t4", SWIFT_T4, Progress(5, 94, 1.58882141, 10.75, 1e-05, 5.64, 1.98)),
@@ -42,6 +48,9 @@ GOOD = [
     ("no-grad-norm", "{'loss': 2.0, 'global_step/max_steps': '3/9'}", Progress(3, 9, 2.0)),
     ("int-loss", "{'loss': 2, 'iteration': '3/9'}", Progress(3, 9, 2.0)),
     ("percent", "{'loss': '2.5%', 'iteration': '3/9'}", Progress(3, 9, 2.5)),
+    # Megatron-LM's pipe line (ms-swift 3.x megatron); real pastes in test_progress_real.py
+    ("3x-megatron", " [2025-01-01 00:00:00] iteration 5/400 | consumed samples: 80 | lm loss: 1.3E+00 |",
+     Progress(5, 400, 1.3)),
 ]
 
 
@@ -75,13 +84,13 @@ def test_parse_line_nan_inf(line, loss_ok, grad_ok):
 
 
 NONE = [
-    ("eval-megatron", "{'eval_loss': 1.2518692, 'eval_load_balancing_loss': 1.0132046, 'iteration': '200/400', "
+    ("eval-megatron", ("{'eval_loss': 1.2518692, 'eval_load_balancing_loss': 1.0132046, 'iteration': '200/400', "
                       "'elapsed_time': '1h 50m 2s', 'remaining_time': '1h 50m 2s', 'memory(GiB)': 71.3, "
-                      "'train_speed(s/it)': 33.010001}"),
+                      "'train_speed(s/it)': 33.010001}")),
     ("eval-swift", "{'eval_loss': '1.2', 'eval_runtime': '0.5', 'epoch': '1', 'global_step/max_steps': '10/30'}"),
-    ("train-runtime", "{'train_runtime': '0.5936', 'train_samples_per_second': '50.54', 'train_steps_per_second': "
+    ("train-runtime", ("{'train_runtime': '0.5936', 'train_samples_per_second': '50.54', 'train_steps_per_second': "
                       "'50.54', 'train_loss': '7.354', 'epoch': '0.1', 'global_step/max_steps': '30/30', "
-                      "'elapsed_time': '1s', 'remaining_time': '0s', 'train_speed(s/it)': '0.01976'}"),
+                      "'elapsed_time': '1s', 'remaining_time': '0s', 'train_speed(s/it)': '0.01976'}")),
     ("empty", ""),
     ("blank", "   \n"),
     ("info", "[INFO:swift] Saving model checkpoint to /out/checkpoint-10"),
@@ -98,7 +107,6 @@ NONE = [
     ("call", "{'loss': float('nan'), 'iteration': '1/2'}"),
     ("nested-brace", "{'loss': {'a': 1}, 'iteration': '1/2'}"),
     ("set-not-dict", "{'loss', 'iteration'}"),
-    ("3x-megatron", " [2025-01-01 00:00:00] iteration 5/400 | consumed samples: 80 | lm loss: 1.3E+00 |"),
     ("other-dict", "{'model_parameter_info': 'x', 'loss_scale': 1}"),
     ("last-checkpoint", "{'last_model_checkpoint': '/o/checkpoint-30', 'best_model_checkpoint': None}"),
     ("garbage", "\x00\x01\x02 }{ {'lo"),
@@ -120,9 +128,9 @@ def test_huge_valid_line():
 
 
 @pytest.mark.parametrize("line,expected", [
-    ('{"loss": 7.43016481, "grad_norm": 1.87302744, "learning_rate": 9.973e-05, "token_acc": 0.0, "epoch": '
+    (('{"loss": 7.43016481, "grad_norm": 1.87302744, "learning_rate": 9.973e-05, "token_acc": 0.0, "epoch": '
      '0.00333333, "global_step/max_steps": "1/30", "elapsed_time": "0s", "remaining_time": "1s", '
-     '"train_speed(s/it)": 0.026642}', Progress(1, 30, 7.43016481, 1.87302744, 9.973e-05, None, 0.026642)),
+     '"train_speed(s/it)": 0.026642}'), Progress(1, 30, 7.43016481, 1.87302744, 9.973e-05, None, 0.026642)),
     ('{"loss": 1.3, "grad_norm": 0.2, "learning_rate": 1e-4, "iteration": "5/400", "memory(GiB)": 71.3}',
      Progress(5, 400, 1.3, 0.2, 1e-4, 71.3)),
 ])

@@ -13,25 +13,40 @@ which is what a save of minutes and a start of minutes need.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 from statistics import median
 
 from orchestrator.domain.checkpoint_names import checkpoint_step
 
-# ms-swift's save lines: swift sft ("Saving model checkpoint to X", logged once X is written),
-# megatron sft ("Successfully saved Megatron model weights in `X`." / "... `safetensors` model weights in `X`.").
-SAVE_LINE = re.compile(r"Saving model checkpoint to (\S+)|Successfully saved .*? in `([^`]+)`")
+# Save lines that name a checkpoint directory: swift sft (`Saving model checkpoint to X`, once X is written),
+# megatron sft 4.x (`Successfully saved Megatron model weights in `X`.` / `... `safetensors` model weights in
+# `X`.`), and the closing `last_model_checkpoint: X` of both (often glued to the tqdm bar by \r).
+SAVE_LINE = re.compile(r"Saving model checkpoint to (\S+)|Successfully saved .*? in `([^`]+)`"
+                       r"|last_model_checkpoint: (\S+)")
+# Megatron-LM's save lines (ms-swift 3.x megatron prints them, the path its checkpoint-N): the step is the
+# iteration they name, the path may be any --save directory. `saving checkpoint at iteration N` starts the
+# save right after iteration N's step, `successfully saved checkpoint from (older: at) iteration N` ends it,
+# `scheduled an async checkpoint save at iteration N` hands it to the background. Loading lines (`loading
+# checkpoint from X at iteration N`, `successfully loaded checkpoint ...`) and `saving dataloader checkpoint`
+# are no save of this run.
+MEGATRON_SAVE_LINE = re.compile(r"(?:\bsaving checkpoint at|successfully saved checkpoint (?:from|at)"
+                                r"|scheduled an async checkpoint save at) iteration\s+(\d+)\s+to\s")
 
 
 def saved_step(line: str) -> int | None:
-    """The step of the checkpoint a save line names (checkpoint-N or checkpoint-N-merged), else None."""
-    if "checkpoint-" not in line:  # most lines: a C substring test instead of a regex scan
+    """The step of the checkpoint a save line names (checkpoint-N or checkpoint-N-merged, or Megatron's
+    iteration N), else None."""
+    if "checkpoint" not in line:  # most lines: a C substring test instead of a regex scan
         return None
+    m = MEGATRON_SAVE_LINE.search(line)
+    if m:
+        return int(m.group(1))
     m = SAVE_LINE.search(line)
     if not m:
         return None
-    return checkpoint_step((m.group(1) or m.group(2)).rstrip(".`"))
+    return checkpoint_step(next(g for g in m.groups() if g is not None).rstrip(".`"))
 
 
 def startup_seconds(launched_at: float, first_step_at: float | None) -> float | None:
@@ -45,7 +60,7 @@ def step_seconds(records: Sequence[tuple[int, float]], skip_after: Iterable[int]
     """Median seconds per step from (step, seen at) records in order, leaving out gaps that start at a
     save step (`skip_after`) and gaps of records read in the same pass (no timing in them)."""
     skip = set(skip_after)
-    per = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(records, records[1:])
+    per = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(records)
            if s1 > s0 and t1 > t0 and s0 not in skip]
     return median(per) if per else None
 

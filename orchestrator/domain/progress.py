@@ -1,7 +1,14 @@
-"""Progress from trainer output: stdout dict lines and logging.jsonl records -> Progress. Pure.
+"""Progress from trainer output -> Progress. Pure.
 
-ms-swift 4.x prints `str(dict)` per logged step (Python repr: single quotes, bare nan/inf; under
-transformers 5 every float is a string). Parse with ast.literal_eval, never eval.
+Formats, each tested against lines pasted in public issue threads (tests/fixtures/progress/):
+- ms-swift 4.x (and 3.x `swift sft`) print `str(dict)` per logged step (Python repr: single quotes, bare
+  nan/inf; under transformers 5 every float is a string). Parsed with ast.literal_eval, never eval.
+- logging.jsonl: the same records as JSON (ms-swift 3.x megatron names its loss `lm loss`).
+- Megatron-LM's training_log, which ms-swift 3.x's Megatron backend prints too: one pipe-separated line per
+  logged iteration, ` [2026-01-20 08:33:58] iteration        5/     206 | consumed samples: ... |
+  lm loss: 1.180399E+00 | ... | grad norm: 1.105 | number of skipped iterations:   0 | ...`.
+Every format is found anywhere in the line: timestamps, `master-0 >> `, `[rank7]: ` and a tqdm bar glued
+on by `\\r` may come before it.
 """
 from __future__ import annotations
 
@@ -17,6 +24,12 @@ _DICT = re.compile(r"\{'(?:loss|eval_|train_runtime|grad_norm|learning_rate)[^{}
 # Bare nan/inf in a repr (megatron prints floats raw) are not Python literals.
 _BARE = re.compile(r"(?<=[:\s\[,])(-?)(nan|inf)(?=[,}\]\s])")
 _STEP_KEYS = ("global_step/max_steps", "iteration")
+_LOSS_KEYS = ("loss", "lm loss")  # ms-swift 3.x megatron's logging.jsonl keeps Megatron's `lm loss`
+# Megatron-LM's line starts with the iteration field (`'iteration {:8d}/{:8d} |'`); `validation loss at
+# iteration 100 |` and `exiting program at iteration 100` have no `/total`, so they never match.
+_PIPE = re.compile(r"(?:^|[\s\]>:])iteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+# Fields of a training step; a line with the iteration field and none of these is no step.
+_PIPE_STEP_FIELDS = ("consumed samples", "lm loss", "loss", "grad norm", "number of nan iterations")
 
 
 def _number(v: object) -> float | None:
@@ -30,9 +43,19 @@ def _number(v: object) -> float | None:
         return None
 
 
+def _step_seconds(rec: dict) -> float | None:
+    """Seconds per step from whichever speed the record carries (4.x s/it, 3.x iter/s, 3.x megatron's s)."""
+    for key in ("train_speed(s/it)", "elapsed_time_per_iteration"):
+        if key in rec:
+            return _number(rec[key])
+    per_s = _number(rec.get("train_speed(iter/s)"))
+    return 1.0 / per_s if per_s else None
+
+
 def from_record(rec: dict) -> Progress | None:
     """A training-step record (stdout dict or logging.jsonl line); None for eval/summary records."""
-    if "loss" not in rec and "grad_norm" not in rec:
+    loss_key = next((k for k in _LOSS_KEYS if k in rec), None)
+    if loss_key is None and "grad_norm" not in rec:
         return None
     for key in _STEP_KEYS:
         raw = rec.get(key)
@@ -45,13 +68,41 @@ def from_record(rec: dict) -> Progress | None:
             break
     else:
         return None
-    return Progress(step=step, max_steps=max_steps, loss=_number(rec.get("loss")),
+    return Progress(step=step, max_steps=max_steps, loss=_number(rec.get(loss_key)) if loss_key else None,
                     grad_norm=_number(rec.get("grad_norm")), lr=_number(rec.get("learning_rate")),
-                    memory_gib=_number(rec.get("memory(GiB)")), step_s=_number(rec.get("train_speed(s/it)")))
+                    memory_gib=_number(rec.get("memory(GiB)")), step_s=_step_seconds(rec))
 
 
-def parse_line(line: str) -> Progress | None:
-    """A stdout line -> Progress, or None when it holds no training-step dict."""
+def parse_pipe_line(line: str) -> Progress | None:
+    """A Megatron-LM training_log line (`iteration N/ M | key: value | ...`) -> Progress, else None.
+
+    The loss is `lm loss` (sft, pretraining) or `loss` (ms-swift's RL trainers); `mtp_1 loss`,
+    `load_balancing_loss` and other extra losses are not it. `number of nan iterations` > 0 makes the loss NaN:
+    Megatron counts the iterations whose loss was NaN/Inf apart and leaves them out of the average it prints
+    (Megatron-LM drops a NaN average from the line altogether), so the count is what says the loss went bad.
+    """
+    m = _PIPE.search(line)
+    if not m:
+        return None
+    fields: dict[str, str] = {}
+    for part in line[m.end():].split("|"):
+        key, sep, value = part.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    if not any(k in fields for k in _PIPE_STEP_FIELDS):
+        return None
+    loss = _number(fields.get("lm loss", fields.get("loss")))
+    nan_iterations = _number(fields.get("number of nan iterations"))
+    if nan_iterations:
+        loss = math.nan
+    ms = _number(fields.get("elapsed time per iteration (ms)"))
+    return Progress(step=int(m.group(1)), max_steps=int(m.group(2)), loss=loss,
+                    grad_norm=_number(fields.get("grad norm")), lr=_number(fields.get("learning rate")),
+                    memory_gib=_number(fields.get("memory(GiB)")), step_s=ms / 1000.0 if ms is not None else None)
+
+
+def parse_dict_line(line: str) -> Progress | None:
+    """An ms-swift stdout dict line -> Progress, or None when it holds no training-step dict."""
     if "{'" not in line:  # most lines: a C substring test instead of a regex scan
         return None
     m = _DICT.search(line)
@@ -66,7 +117,16 @@ def parse_line(line: str) -> Progress | None:
     return from_record(rec) if isinstance(rec, dict) else None
 
 
+def parse_line(line: str) -> Progress | None:
+    """A stdout line -> Progress (an ms-swift dict or a Megatron-LM pipe line), or None when it holds no step."""
+    p = parse_dict_line(line)
+    if p is None and "iteration" in line:  # most lines: a C substring test instead of a regex scan
+        p = parse_pipe_line(line)
+    return p
+
+
 def parse_jsonl_line(line: str) -> Progress | None:
+    """A logging.jsonl line -> Progress, or None when it is no training-step record."""
     try:
         rec = json.loads(line)  # Python's json accepts NaN/Infinity, as written by ms-swift
     except ValueError:
@@ -75,6 +135,7 @@ def parse_jsonl_line(line: str) -> Progress | None:
 
 
 def is_bad_number(x: float | None) -> bool:
+    """Whether x is NaN or infinite (None is not)."""
     return x is not None and (math.isnan(x) or math.isinf(x))
 
 

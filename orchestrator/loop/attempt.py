@@ -67,6 +67,8 @@ class AttemptWatch:
     seen: list[tuple[int, float]] = field(default_factory=list)
     saves_pending: set[int] = field(default_factory=set)
     saves: list[float] = field(default_factory=list)
+    saves_measured: set[int] = field(default_factory=set)  # a save named again later (`last_model_checkpoint`, an
+                                                            # async save's end line) is not measured twice
 
     @classmethod
     def start(cls, n: int, launched: Trainer, port: int, resume: Resume | None, output_dir: Path,
@@ -97,7 +99,7 @@ class AttemptWatch:
                 self._check(p, line)
             else:
                 saved = costs.saved_step(line)
-                if saved is not None and saved > self.good_step_at_launch:
+                if saved is not None and saved > self.good_step_at_launch and saved not in self.saves_measured:
                     self.saves_pending.add(saved)
         for line in self.jsonl.lines(None if drain else 8 << 20):
             if closing_record(line):
@@ -133,6 +135,7 @@ class AttemptWatch:
         step_s = costs.step_seconds(self.seen, self.saves_pending | {s for s, _ in self.seen if k and s % k == 0})
         for s in sorted(x for x in self.saves_pending if x < newest):
             self.saves_pending.discard(s)
+            self.saves_measured.add(s)
             d = self.output_dir / f"checkpoint-{s}" if self.output_dir else None
             files = _file_times(d) if d is not None else []
             got = costs.save_seconds(costs.save_seconds_from_steps(self.seen, s, step_s),

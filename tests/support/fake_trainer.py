@@ -26,6 +26,14 @@ Environment:
                     like torchrun/the `megatron` wrapper: 1 for every worker failure, host_oom_killed too)
   FAKE_EXIT_AFTER_STEP=N   stop cleanly (exit 0, end-of-run records) after step N although N < max
   FAKE_REJECT_FLAGS comma list of flag names; if one is passed: `ValueError: remaining_argv: [...]`, exit 1
+  FAKE_FORMAT       dict (default: ms-swift 4.x, the stdout dict and logging.jsonl) | pipe (megatron backend: what
+                    ms-swift 3.x's Megatron backend prints, release/3.12 trainers/base.py training_log: Megatron-LM's
+                    pipe-separated iteration line plus memory/elapsed/remaining, a validation block before each save,
+                    Megatron-LM's `saving checkpoint at iteration N ... in torch_dist format` / `successfully saved
+                    checkpoint from iteration N ...` around each save, no tqdm bar, `[after training is done]` at the
+                    end; and no <output_dir>/logging.jsonl: 3.x writes it under its versioned save dir
+                    (<save>/vN-<time>/), which is not the directory the supervisor watches, and plain Megatron-LM
+                    writes none)
 """
 from __future__ import annotations
 
@@ -136,6 +144,12 @@ class Fake:
         self.shard_bytes = int(float(env("FAKE_SHARD_MB", "0")) * (1 << 20))
         self.exit_after = int(env("FAKE_EXIT_AFTER_STEP") or 0)
         self.torchrun_exit = env("FAKE_LAUNCHER", "worker") == "torchrun"
+        fmt = env("FAKE_FORMAT", "dict")
+        if fmt not in ("dict", "pipe") or (fmt == "pipe" and not self.meg):
+            sys.exit(f"fake_trainer: FAKE_FORMAT={fmt!r}: dict, or pipe with the megatron backend")
+        self.pipe = fmt == "pipe"
+        self.gbs = self.geti("global_batch_size", 16)
+        self.logged_at = (0, T0)                  # (step, time) of the last log line: Megatron's per-iteration time
         self.faults = []
         for item in filter(None, (s.strip() for s in env("FAKE_FAULTS", "").split(","))):
             cls, _, step = item.partition("@")
@@ -233,6 +247,7 @@ class Fake:
         self.nan = bool(self.due(0, kinds={CrashClass.NAN_LOSS}))
         info(f"logging_path: {self.jsonl}" if self.meg else f"The logging file will be saved in: {self.jsonl}")
         self.t_train = time.time()
+        self.logged_at = (self.start, self.t_train)
         for step in range(self.start + 1, self.max + 1):
             cls = self.due(step, kinds=set(CrashClass) - {CrashClass.DISK_FULL})
             if cls is CrashClass.NAN_LOSS:
@@ -240,9 +255,12 @@ class Fake:
             elif cls:
                 self.crash(cls, step)
             time.sleep(self.step_s)
-            self.bar(step)
+            if not self.pipe:
+                self.bar(step)
             if step == 1 or step % self.logging_steps == 0:
                 self.log(step)
+            if self.pipe and step % self.save_steps == 0:
+                self.validation(step)
             if step % self.save_steps == 0 or step == self.max:
                 self.save(step)
             if step == self.exit_after:
@@ -254,6 +272,8 @@ class Fake:
         return os.path.join(self.out, "logging.jsonl")
 
     def append_jsonl(self, rec: dict) -> None:
+        if self.pipe:
+            return
         with open(self.jsonl, "a") as f:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
@@ -301,6 +321,9 @@ class Fake:
         loss, gn, lr = self.loss(step), self.grad_norm(step), self.lr(step)
         self.losses.append(loss)
         mem = round(70.12 + 0.1 * min(step, 10), 2)
+        if self.pipe:
+            print(self.pipe_line(step, loss, gn, lr, mem, el, speed), flush=True)
+            return
         if self.meg:
             logs = {"loss": loss, "grad_norm": gn, "learning_rate": lr,
                     "load_balancing_loss": 1.0 + 0.03 * math.exp(-step / 40) + 0.001 * math.sin(step),
@@ -318,6 +341,35 @@ class Fake:
             print(str({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in logs.items()}), flush=True)
             self.log_history.append({**logs, "step": step})
         self.append_jsonl(logs)
+
+    def pipe_line(self, step: int, loss: float, gn: float, lr: float, mem: float, el: float, speed: float) -> str:
+        """ms-swift 3.x megatron's training_log line (release/3.12 swift/megatron/trainers/base.py)."""
+        last_step, last_t = self.logged_at
+        now = time.time()
+        self.logged_at = (step, now)
+        per_iter = (now - last_t) / max(step - last_step, 1)
+        lbl = 1.0 + 0.03 * math.exp(-step / 40) + 0.001 * math.sin(step)
+        s = f" [{dt.datetime.now():%Y-%m-%d %H:%M:%S}]"
+        s += " iteration {:8d}/{:8d} |".format(step, self.max)
+        s += " consumed samples: {:12d} |".format(step * self.gbs)
+        s += " elapsed time per iteration (ms): {:.1f} |".format(per_iter * 1000.0)
+        s += (f" memory(GiB): {mem} | elapsed time: {format_time(el)} |"
+              f" remaining time: {format_time((self.max - step) * speed)} |")
+        s += f" learning rate: {lr:.6E} |"
+        s += f" global batch size: {self.gbs:5d} |"
+        s += " {}: {:.6E} |".format("lm loss", loss) + " {}: {:.6E} |".format("load_balancing_loss", lbl)
+        s += f" loss scale: {1.0:.1f} |"
+        s += f" grad norm: {gn:.3f} |"
+        s += " number of skipped iterations: {:3d} |".format(0)
+        s += " number of nan iterations: {:3d} |".format(0)  # bf16: nothing skipped, the NaN shows in the loss
+        return s
+
+    def validation(self, step: int) -> None:
+        """Megatron-LM's evaluate_and_print_results block (eval_interval = save_interval in ms-swift 3.x)."""
+        loss = self.loss(step) + 0.05
+        line = " validation loss at iteration {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ".format(
+            step, loss, math.exp(min(loss, 700)))
+        print("-" * (len(line) + 1), line, "-" * (len(line) + 1), sep="\n", flush=True)
 
     # --- checkpoints ---------------------------------------------------------------------------------------
     def modules(self) -> list[str]:
@@ -359,6 +411,8 @@ class Fake:
         with open(os.path.join(d, "args.json"), "w") as f:
             f.write(args_json)
         if self.meg:
+            if self.pipe:  # ms-swift 3.x points Megatron-LM's args.save at checkpoint-N (trainers/base.py)
+                print(f"saving checkpoint at iteration {step:7d} to {d} in torch_dist format", flush=True)
             it = os.path.join(d, f"iter_{step:07d}")
             os.makedirs(it, exist_ok=True)
             if full and self.no_save_optim:
@@ -380,7 +434,10 @@ class Fake:
                                "common_backend": "torch", "common_backend_version": 1}, f)
             with open(os.path.join(d, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write(str(step))
-            info(f"Successfully saved Megatron model weights in `{d}`.")
+            if self.pipe:
+                print(f"  successfully saved checkpoint from iteration {step:7d} to {d} [ t 1/1, p 1/1 ]", flush=True)
+            else:
+                info(f"Successfully saved Megatron model weights in `{d}`.")
             if self.safetensors:
                 self.adapter(d, step)
                 info(f"Successfully saved `safetensors` model weights in `{d}`.")
@@ -420,6 +477,10 @@ class Fake:
         self.last_ckpt = d
 
     def finish(self, step: int) -> None:
+        if self.pipe:  # Megatron-LM's end of train(); ms-swift 3.x megatron logs no last_model_checkpoint
+            print(f"[after training is done] datetime: {dt.datetime.now():%Y-%m-%d %H:%M:%S} ", flush=True)
+            info(f"End time of running main: {dt.datetime.now():%Y-%m-%d %H:%M:%S.%f}")
+            sys.exit(0)
         sys.stderr.write("\n")
         if not self.meg:
             el = time.time() - self.t_train
