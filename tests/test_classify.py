@@ -196,6 +196,29 @@ CASES = [
     ("timeout_at_nccl_work", [("[rank12]:[E218 04:54:23.3 ProcessGroupNCCL.cpp:1844] [PG ID 13 PG GUID 143 Rank 0] Timeout at NCCL "
                                "work: 87, last enqueued NCCL work: 87, last completed NCCL work: 86."),
                               "[rank12]: Some NCCL operations have failed or timed out."], CrashClass.NCCL_TIMEOUT_HANG),
+    # Catalogue wordings (PyTorch, Lightning, Keras, TensorFlow/XLA, Windows sockets) of the same families.
+    ("blocking_wait_timeout", [("[rank3]:[E1002 18:16:40.7 ProcessGroupNCCL.cpp:756] [Rank 3] Work WorkNCCL(SeqNum=2521, "
+                                "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) timed out in blocking wait.")],
+     CrashClass.NCCL_TIMEOUT_HANG),
+    ("dump_signal_timeout_is_a_cascade", [PROGRESS % 3, f"[rank3]: {OOM}",
+                                          ("[rank6]:[E606 09:09:08.1 ProcessGroupNCCL.cpp:1987] [PG ID 0 Rank 6] Received a dump "
+                                           "signal due to a collective timeout from rank 3 and we will try our best to dump the "
+                                           "debug info.")], CrashClass.OOM_DURING_TRAINING),
+    ("tf_oom_when_allocating", [("tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor "
+                                 "with shape[4096,4096] and type float on /job:localhost/replica:0/task:0/device:GPU:0")],
+     CrashClass.COLD_START_OOM),
+    ("xla_resource_exhausted", [PROGRESS % 2, ("jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+                                "trying to allocate 8589934592 bytes.")], CrashClass.OOM_DURING_TRAINING),
+    ("torch_shm_allocate", [("RuntimeError: unable to allocate shared memory(shm) for file </torch_4304_2962414746_0>: "
+                             "Resource temporarily unavailable (11)")], CrashClass.DISK_FULL),
+    ("windows_port_in_use", [("OSError: [WinError 10048] Only one usage of each socket address (protocol/network address/port) "
+                             "is normally permitted")], CrashClass.PORT_IN_USE),
+    ("lightning_early_stopping_not_finite", [("Monitored metric val_loss = nan is not finite. Previous best value was 0.412. "
+                                              "Signaling Trainer to stop.")], CrashClass.NAN_LOSS),
+    ("keras_terminate_on_nan", ["Batch 812: Invalid loss, terminating training"], CrashClass.NAN_LOSS),
+    ("tensorboard_nan_warning", [PROGRESS % 3, "Warning: NaN or Inf found in input tensor."], CrashClass.NAN_LOSS),
+    ("tensorboard_nan_warning_recovered", ["Warning: NaN or Inf found in input tensor.", PROGRESS % 4, "KeyError: 'x'"],
+     CrashClass.OTHER),
     ("port_permission_denied_is_not_port", [("torch.distributed.DistNetworkError: The server socket has failed to listen on any "
                                              "local network address. The server socket has failed to bind to [::]:98 (errno: 13 - "
                                              "Permission denied).")], CrashClass.OTHER),

@@ -75,7 +75,7 @@ def test_real2_tuning_excerpts(entry: dict) -> None:
     assert measure.predict(entry).value == entry["label"]
 
 
-@pytest.mark.parametrize("entries,floor", [(HELDOUT, (93.8, 96.9)), (HELDOUT2, (87.5, 87.5))], ids=["real", "real2"])
+@pytest.mark.parametrize("entries,floor", [(HELDOUT, (93.8, 96.9)), (HELDOUT2, (90.6, 90.6))], ids=["real", "real2"])
 def test_heldout_does_not_regress(entries: list[dict], floor: tuple[float, float]) -> None:
     """Measured on the held-out parts (tests/fixtures/README.md): keep at least that."""
     exact, family, _ = measure.score(entries)
