@@ -1,15 +1,12 @@
-"""Table-driven tests for orchestrator.domain.classify: real labelled logs, own fixtures, conflicts, prefixes, phase."""
+"""Table-driven tests for orchestrator.domain.classify: own fixtures, conflicts, prefixes, phase (real logs: test_classify_real)."""
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import random
 import re
 import time
 from pathlib import Path
 
 import pytest
+from real_crashes import ALL_REAL
 
 from orchestrator.domain.classify import (
     _COMPILED,
@@ -22,40 +19,11 @@ from orchestrator.domain.classify import (
 from orchestrator.types import CrashClass, ExitStatus, Phase
 
 FIXTURES = Path(__file__).parent / "fixtures" / "crashes"
-REAL = Path(__file__).parent / "fixtures" / "real"          # real excerpts from public issue trackers
-_spec = importlib.util.spec_from_file_location("real_measure", REAL / "measure.py")
-measure = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(measure)
-REAL_INDEX = measure.load_index()
-TUNE = [e for e in REAL_INDEX if e["split"] == "tune"]
-HELDOUT = [e for e in REAL_INDEX if e["split"] == "heldout"]
-
-
-def _shared_dir() -> Path | None:
-    candidates = [Path(__file__).resolve().parents[2] / "shared" / "crash-logs"]
-    if os.environ.get("ORCH_SHARED"):
-        root = Path(os.environ["ORCH_SHARED"])
-        candidates += [root / "crash-logs", root]
-    return next((d for d in candidates if (d / "index.jsonl").is_file()), None)
-
-
-SHARED = _shared_dir()
-SHARED_INDEX = ([json.loads(line) for line in (SHARED / "index.jsonl").read_text().splitlines() if line.strip()]
-                if SHARED else [])
 FIXTURE_FILES = sorted(FIXTURES.glob("*.log"))
 
 
 def _cleaned(text: str) -> str:
     return "\n".join(strip_prefixes(line) for line in text.splitlines())
-
-
-# ---------------------------------------------------------------- real labelled logs
-@pytest.mark.skipif(SHARED is None, reason="shared crash-logs not available")
-@pytest.mark.parametrize("entry", SHARED_INDEX, ids=[e["file"] for e in SHARED_INDEX])
-def test_shared_crash_logs(entry: dict) -> None:
-    crash = classify((SHARED / entry["file"]).read_text(errors="replace"))
-    assert crash.cls.value == entry["label"], crash.evidence
-    assert crash.evidence and len(crash.evidence) <= 5
 
 
 # ---------------------------------------------------------------- own fixtures
@@ -75,30 +43,6 @@ def test_fixtures(path: Path) -> None:
     for line in crash.evidence:                 # evidence is real (cleaned) log text, prefixes gone
         assert line in cleaned or line in text or line.startswith("failing rank: "), line
         assert not re.match(r"\[rank\d+\]:|\[\d+,\d+\]<std", line)
-
-
-# ---------------------------------------------------------------- real excerpts from public issue trackers
-def test_real_index_is_complete_and_split_by_seed() -> None:
-    files = sorted(f.name for f in REAL.glob("*.log"))
-    assert sorted(e["file"] for e in REAL_INDEX) == files
-    order = sorted(files)
-    random.Random(14).shuffle(order)                  # the split was drawn once, before any rule change
-    assert {e["file"] for e in HELDOUT} == set(order[:round(0.3 * len(order))])
-    for e in REAL_INDEX:
-        assert e["file"].split("__")[0] == e["label"] and CrashClass(e["label"])
-        assert e["source"].startswith("https://github.com/") and e.get("phase", "startup") in ("startup", "training")
-        assert len((REAL / e["file"]).read_text().splitlines()) <= 60
-
-
-@pytest.mark.parametrize("entry", TUNE, ids=[e["file"] for e in TUNE])
-def test_real_tuning_excerpts(entry: dict) -> None:
-    assert measure.predict(entry).value == entry["label"]
-
-
-def test_real_heldout_does_not_regress() -> None:
-    """Measured on the held-out part before and after tuning (tests/fixtures/README.md): keep at least that."""
-    exact, family, _ = measure.score(HELDOUT)
-    assert (round(exact, 1), round(family, 1)) >= (93.8, 96.9), (exact, family)
 
 
 # ---------------------------------------------------------------- conflicts and negatives (one log each)
@@ -138,9 +82,21 @@ CASES = [
      CrashClass.HOST_OOM_KILLED),
     ("user_error_beats_launcher_kill", ["ValueError: bad config", "[INFO] [launch.py:319:sigkill_handler] Killing subprocess 2231"],
      CrashClass.OTHER),
-    ("dev_shm_is_not_disk", ["node:1:2 [0] include/shm.cc:28 NCCL WARN Call to posix_fallocate failed : No space left on device",
-                             "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error."],
+    # /dev/shm exhausted is a full (memory-backed) disk, whichever component reports it (issue 24).
+    ("dev_shm_is_disk_full", ["node:1:2 [0] include/shm.cc:28 NCCL WARN Call to posix_fallocate failed : No space left on device",
+                              "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error."],
+     CrashClass.DISK_FULL),
+    ("nccl_shm_extend", ["n:1:2 [0] misc/shmutils.cc:71 NCCL WARN Error: failed to extend /dev/shm/nccl-fjwOOB to 5967876 bytes",
+                         "ncclInternalError: Internal check failed."], CrashClass.DISK_FULL),
+    ("dataloader_bus_error", [PROGRESS % 3, ("RuntimeError: DataLoader worker (pid 11) is killed by signal: Bus error. It is "
+                              "possible that dataloader's workers are out of shared memory."), WATCHDOG], CrashClass.DISK_FULL),
+    ("torch_shm_file", ["RuntimeError: unable to write to file </torch_8289_606636967_0>: No space left on device (28)"],
+     CrashClass.DISK_FULL),
+    ("nccl_shm_attach_missing_is_not_disk", [("n:1:2 [0] NCCL WARN Error while attaching to shared memory segment "
+                                              "/dev/shm/nccl-x (size 192814336), error: No such file or directory (2)")],
      CrashClass.NCCL_ERROR),
+    ("dataloader_segfault_is_not_disk", ["RuntimeError: DataLoader worker (pid 7) is killed by signal: Segmentation fault."],
+     CrashClass.OTHER),
     ("enospc_during_save", ["OSError: [Errno 28] No space left on device: '/ckpt/checkpoint-100/adapter_model.safetensors'", WATCHDOG],
      CrashClass.DISK_FULL),
     ("quota", ["OSError: [Errno 122] Disk quota exceeded"], CrashClass.DISK_FULL),
@@ -169,8 +125,28 @@ CASES = [
     ("megatron_no_loss_ever_is_not_nan", [MEGATRON % (10, "", "1.0", 0, 0), "KeyError: 'x'"], CrashClass.OTHER),
     ("megatron_fp16_skip_is_not_nan", [MEGATRON % (10, "", "65536.0", 1, 0), MEGATRON % (20, "lm loss: 2.0E+00 | ", "32768.0", 0, 0)],
      CrashClass.OTHER),
-    ("deepspeed_overflow_is_not_nan", ["[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 2, reducing to 1",
-                                       "Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."],
+    # A loss scale at its minimum means every step overflowed: non-finite training in other words (issue 24).
+    ("deepspeed_min_loss_scale_is_nan", ["[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 2, reducing to 1",
+                                         "Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."],
+     CrashClass.NAN_LOSS),
+    ("deepspeed_overflow_alone_is_not_nan", [("[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, reducing "
+                                              "to 32768"), PROGRESS % 3, "KeyError: 'x'"], CrashClass.OTHER),
+    ("fairseq_min_loss_scale", ["FloatingPointError: Minimum loss scale reached (0.0001). Your loss is probably exploding."],
+     CrashClass.NAN_LOSS),
+    ("apex_scale_decayed", ["Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 1.9934389902195135e-205"],
+     CrashClass.NAN_LOSS),
+    ("apex_scale_decay_recovered", ["Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 6.103515625e-05",
+                                    "{'loss': 1.1, 'grad_norm': 0.5, 'epoch': 0.2}", "KeyError: 'x'"], CrashClass.OTHER),
+    ("apex_normal_scale_is_not_nan", ["Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768.0",
+                                      "KeyError: 'x'"], CrashClass.OTHER),
+    ("outputs_are_nan_guard", ["ValueError:Network outputs is NAN! Stop Training"], CrashClass.NAN_LOSS),
+    ("detectron2_loss_infinite", ["FloatingPointError: Loss became infinite or NaN at iteration=166!"], CrashClass.NAN_LOSS),
+    ("multinomial_nan_guard", ["RuntimeError: probability tensor contains either `inf`, `nan` or element < 0"],
+     CrashClass.NAN_LOSS),
+    ("distribution_real_constraint", [("ValueError: Expected parameter loc (Tensor of shape (128, 10)) of distribution "
+                                       "Normal(loc: torch.Size([128, 10])) to satisfy the constraint Real(), but found invalid values:")],
+     CrashClass.NAN_LOSS),
+    ("nan_advice_is_not_nan", ["Please check whether your inputs or outputs contain NaN values.", "KeyError: 'x'"],
      CrashClass.OTHER),
     ("argparse", ["train.py: error: unrecognized arguments: --foo 1"], CrashClass.OTHER),
     ("accelerate_port_check", [("ConnectionError: Tried to launch distributed communication on port `29500`, but another process "
@@ -212,6 +188,40 @@ CASES = [
     ("cuda_driver_oom_is_not_fatal", [PROGRESS % 3, "RuntimeError: CUDA driver error: out of memory"], CrashClass.OOM_DURING_TRAINING),
     ("old_nccl_error_number", ["RuntimeError: NCCL Error 3: internal error"], CrashClass.NCCL_ERROR),
     ("cupy_nccl_error", ["NcclError: NCCL_ERROR_UNHANDLED_CUDA_ERROR: unhandled cuda error"], CrashClass.NCCL_ERROR),
+    ("thc_cuda_runtime_error_2", ["THCudaCheck FAIL file=/pytorch/torch/lib/THC/generic/THCStorage.cu line=58 error=2 : out of memory",
+                                  "RuntimeError: cuda runtime error (2) : out of memory at /pytorch/THCStorage.cu:58"],
+     CrashClass.COLD_START_OOM),
+    ("thc_other_error_is_not_oom", ["THCudaCheck FAIL file=/pytorch/aten/src/THC/THCGeneral.cpp line=383 error=11 : invalid argument",
+                                    "KeyError: 'x'"], CrashClass.OTHER),
+    ("timeout_at_nccl_work", [("[rank12]:[E218 04:54:23.3 ProcessGroupNCCL.cpp:1844] [PG ID 13 PG GUID 143 Rank 0] Timeout at NCCL "
+                               "work: 87, last enqueued NCCL work: 87, last completed NCCL work: 86."),
+                              "[rank12]: Some NCCL operations have failed or timed out."], CrashClass.NCCL_TIMEOUT_HANG),
+    # Catalogue wordings (PyTorch, Lightning, Keras, TensorFlow/XLA, Windows sockets) of the same families.
+    ("blocking_wait_timeout", [("[rank3]:[E1002 18:16:40.7 ProcessGroupNCCL.cpp:756] [Rank 3] Work WorkNCCL(SeqNum=2521, "
+                                "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) timed out in blocking wait.")],
+     CrashClass.NCCL_TIMEOUT_HANG),
+    ("dump_signal_timeout_is_a_cascade", [PROGRESS % 3, f"[rank3]: {OOM}",
+                                          ("[rank6]:[E606 09:09:08.1 ProcessGroupNCCL.cpp:1987] [PG ID 0 Rank 6] Received a dump "
+                                           "signal due to a collective timeout from rank 3 and we will try our best to dump the "
+                                           "debug info.")], CrashClass.OOM_DURING_TRAINING),
+    ("tf_oom_when_allocating", [("tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor "
+                                 "with shape[4096,4096] and type float on /job:localhost/replica:0/task:0/device:GPU:0")],
+     CrashClass.COLD_START_OOM),
+    ("xla_resource_exhausted", [PROGRESS % 2, ("jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+                                "trying to allocate 8589934592 bytes.")], CrashClass.OOM_DURING_TRAINING),
+    ("torch_shm_allocate", [("RuntimeError: unable to allocate shared memory(shm) for file </torch_4304_2962414746_0>: "
+                             "Resource temporarily unavailable (11)")], CrashClass.DISK_FULL),
+    ("windows_port_in_use", [("OSError: [WinError 10048] Only one usage of each socket address (protocol/network address/port) "
+                             "is normally permitted")], CrashClass.PORT_IN_USE),
+    ("lightning_early_stopping_not_finite", [("Monitored metric val_loss = nan is not finite. Previous best value was 0.412. "
+                                              "Signaling Trainer to stop.")], CrashClass.NAN_LOSS),
+    ("keras_terminate_on_nan", ["Batch 812: Invalid loss, terminating training"], CrashClass.NAN_LOSS),
+    ("tensorboard_nan_warning", [PROGRESS % 3, "Warning: NaN or Inf found in input tensor."], CrashClass.NAN_LOSS),
+    ("tensorboard_nan_warning_recovered", ["Warning: NaN or Inf found in input tensor.", PROGRESS % 4, "KeyError: 'x'"],
+     CrashClass.OTHER),
+    ("port_permission_denied_is_not_port", [("torch.distributed.DistNetworkError: The server socket has failed to listen on any "
+                                             "local network address. The server socket has failed to bind to [::]:98 (errno: 13 - "
+                                             "Permission denied).")], CrashClass.OTHER),
     ("store_socket_timeout", ["torch.distributed.DistStoreError: Socket Timeout"], CrashClass.NCCL_TIMEOUT_HANG),
     ("client_socket_timeout", ["DistNetworkError: The client socket has timed out after 900000ms while trying to connect to (n, 29500)."],
      CrashClass.NCCL_TIMEOUT_HANG),
@@ -231,8 +241,8 @@ CASES = [
     ("killed_inside_a_word_is_not_a_kill", ["ValueError: Getötet is not a config key"], CrashClass.OTHER),
     ("ray_memory_pressure", ["(raylet) 2 Workers (tasks / actors) killed due to memory pressure (OOM), 0 Workers crashed"],
      CrashClass.HOST_OOM_KILLED),
-    ("ray_oom_prevention_advice", ["Refer to the documentation on how to address the out of memory issue: "
-                                   "https://docs.ray.io/en/latest/ray-core/scheduling/ray-oom-prevention.html."],
+    ("ray_oom_prevention_advice", [("Refer to the documentation on how to address the out of memory issue: "
+                                    "https://docs.ray.io/en/latest/ray-core/scheduling/ray-oom-prevention.html.")],
      CrashClass.HOST_OOM_KILLED),
     ("nccl_carries_cuda_unknown_error", ["torch.distributed.DistBackendError: NCCL error in: x.cpp:77, unhandled cuda error",
                                          "ncclUnhandledCudaError: Call to CUDA function failed.", "Last error:",
@@ -244,8 +254,8 @@ CASES = [
     ("bracketed_loss_nan", ["| E5 iter[ 14/ 15] | [Loss] 5.1 | [step] 89 |", "| E6 iter[ 14/ 15] | [Loss] nan | [step] 104 |"],
      CrashClass.NAN_LOSS),
     ("bracketed_loss_recovered", ["| [Loss] nan | [step] 104 |", "| [Loss] 2.5 | [step] 119 |", "KeyError: 'x'"], CrashClass.OTHER),
-    ("markdown_fenced_port_error", ["```RuntimeError: The server socket has failed to listen on any local network address. "
-                                    "port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use```"],
+    ("markdown_fenced_port_error", [("```RuntimeError: The server socket has failed to listen on any local network address. "
+                                     "port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use```")],
      CrashClass.PORT_IN_USE),
 ]
 
@@ -385,7 +395,7 @@ def test_rule_table_is_well_formed() -> None:
 
 
 def _all_lines() -> list[str]:
-    files = FIXTURE_FILES + sorted(REAL.glob("*.log")) + ([SHARED / e["file"] for e in SHARED_INDEX] if SHARED else [])
+    files = FIXTURE_FILES + [e["root"] / e["file"] for e in ALL_REAL]
     return [strip_prefixes(line) for f in files for line in f.read_text(errors="replace").splitlines()]
 
 

@@ -27,13 +27,23 @@ _OOM = (r"CUDA out of memory", r"\btorch\.(?:cuda\.)?OutOfMemoryError\b", r"CUDA
         r"\[CUDA\]: out of memory", r"\bcuda\w*Malloc\w*\b.{0,60}\bout of memory",
         r"cudaErrorMemoryAllocation", r"CUDA_ERROR_OUT_OF_MEMORY", r"Cuda failure (?:2 )?'out of memory'",  # NCCL's
         r"CUBLAS_STATUS_ALLOC_FAILED", r"CUDNN_STATUS_ALLOC_FAILED", r"Failed to CUDA (?:calloc|malloc)",
-        r"\b(?:HIP|NPU) out of memory")
+        r"\b(?:HIP|NPU) out of memory", r"\bCUDA\W{1,3}out of memory",
+        r"\bcuda runtime err(?:or)?\s*\(2\)", r"\berror\s*=\s*2\s*:\s*out of memory",   # THC era: 'cuda runtime error (2)', THCudaCheck
+        r"\bOOM when allocating tensor\b", r"RESOURCE_EXHAUSTED: Out of memory while trying to allocate")   # TF, XLA
 # Advice and warnings that merely mention OOM are not an OOM.
 _OOM_EXCLUDE = (r"\b(?:User|Future|Deprecation)Warning\b", r"\b(?:avoid|prevent)\w* (?:an? )?(?:CUDA )?(?:OOM|out of memory)",
                 r"\b(?:if|when) (?:you|it) (?:encounter|see|get|run into|hit|face)\w*\b")
-_OOM_KW = ("out of memory", "out_of_memory", "outofmemoryerror", "memoryallocation", "alloc_failed", "failed to cuda")
+_OOM_KW = ("out of memory", "oom when allocating", "out_of_memory", "outofmemoryerror", "memoryallocation", "alloc_failed", "failed to cuda")
+_ADVICE = (r"\b(?:check|whether|make sure|ensure|avoid|prevent)\b",)                    # 'check whether inputs contain NaN'
 _HYPOTHETICAL = (r"\b(?:may|might|could|can|will) (?:produce|cause|lead|result|return|give)",)   # warnings, advice
-_NOT_ROOT_DISK = (r"/dev/shm", r"NCCL WARN", r"posix_fallocate", r"</torch_", r"shared memory")
+_NOT_ROOT_DISK = (r"/dev/shm", r"NCCL WARN", r"posix_fallocate", r"</torch_", r"shared memory")   # disk_full_shm's
+# /dev/shm exhausted: DataLoader workers die of SIGBUS or cannot write their shared-memory files, NCCL cannot
+# create or grow its shm segments. The host ran out of a (memory-backed) filesystem, not NCCL or the user.
+_SHM = (r"killed by signal: Bus error", r"Unexpected bus error encountered in worker", r"\binsufficient shared memory\b",
+        r"\bout of shared memory\b", r"unable to write to file </?torch_", r"unable to allocate shared memory",
+        r"(?:failed to extend|Error while creating shared memory segment)\s+/dev/shm/",
+        r"posix_fallocate failed\s*:\s*No space left", r"/dev/shm\b.*\b(?:No space left|ENOSPC|errno:? ?28)")
+_SHM_KW = ("bus error", "shared memory", "</torch_", "torch_", "/dev/shm", "posix_fallocate")
 _NCCL_REMOTE = r"remote process exited|ncclRemoteError|network error"      # a peer vanished (or the network)
 # A process that died of SIGKILL (torchrun, DeepSpeed launcher, spawn, accelerate, shells, job control,
 # containers) or exit 137. torchrun's own SIGKILL escalation after SIGTERM is teardown, not the host.
@@ -53,17 +63,22 @@ RULES: tuple[Rule, ...] = tuple(sorted((
     # worked then); EADDRNOTAVAIL is a wrong address, not a taken port; NCCL INFO lines are skipped.
     Rule("port_in_use", CrashClass.PORT_IN_USE, (
         r"failed to listen on any local network address", r"address already in use", r"\bEADDRINUSE\b",
-        r"errno:? ?98\b", r"\[Errno 98\]", r"code: -98\b", r"another process is utilizing it", r"port \W?\d+\W? is already in use"),
-        keywords=("failed to listen", "already in use", "eaddrinuse", "errno", "-98", "utilizing it"), requires=("not_training",),
-        exclude=(r"Cannot assign requested address", r"EADDRNOTAVAIL", r"errno:? ?99\b"), priority=10),
-    # Disk full while saving is a root cause (the other ranks then wait in a barrier). /dev/shm, NCCL
-    # shm segments and DataLoader shm files say "No space left" too: IPC limits, not a full disk.
+        r"errno:? ?98\b", r"\[Errno 98\]", r"code: -98\b", r"another process is utilizing it", r"port \W?\d+\W? is already in use",
+        r"only one usage of each socket address", r"\bWSAEADDRINUSE\b", r"\b(?:errno:? ?|WinError )10048\b"),   # Windows
+        keywords=("failed to listen", "already in use", "eaddrinuse", "errno", "-98", "utilizing it", "only one usage", "10048"),
+        requires=("not_training",),
+        exclude=(r"Cannot assign requested address", r"EADDRNOTAVAIL", r"errno:? ?99\b",   # a wrong address,
+                 r"Permission denied", r"\bEACCES\b", r"errno:? ?13\b"), priority=10),         # a privileged port
+    # Disk full while saving is a root cause (the other ranks then wait in a barrier). Lines about /dev/shm
+    # (NCCL shm segments, DataLoader shm files) are left to disk_full_shm, which knows their own wordings.
     Rule("disk_full", CrashClass.DISK_FULL, (
         r"No space left on device", r"\bENOSPC\b", r"\[Errno 28\]", r"errno:? ?28\b", r"Disk quota exceeded", r"\bEDQUOT\b",
         r"PytorchStreamWriter failed writing file", r"file write failed", r"inline_container\.cc.*unexpected pos \d+",
         r"Not enough (?:free )?disk space", r"\bStorageFull\b"),
         keywords=("no space left", "enospc", "errno", "quota exceeded", "edquot", "pytorchstreamwriter", "file write failed",
                   "unexpected pos", "disk space", "storagefull"), exclude=_NOT_ROOT_DISK, priority=20),
+    Rule("disk_full_shm", CrashClass.DISK_FULL, _SHM, keywords=_SHM_KW, exclude=(r"out of resource: shared memory",),
+         priority=22),
     # EIO inside torch.save/serialization is how a saturated disk surfaces on some filesystems.
     Rule("disk_full_io", CrashClass.DISK_FULL, (r"write\(\).*failed with Input/output error", r"Input/output error"),
          keywords=("input/output error",), requires=("save_context",), exclude=_NOT_ROOT_DISK, priority=21),
@@ -81,8 +96,8 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"\.cu:\d+: .*Assertion .* failed", r"CUDA error: an illegal instruction", r"misaligned address",
         r"fallen off the bus", r"GPU is lost", r"cudaErrorIllegalAddress", r"CUDA_ERROR_ILLEGAL_ADDRESS",
         r"CUDA driver error", r"\bCUDA (?:error|failure)\W+(?:\d+\W+)?unknown error", r"launch timed out and was terminated",
-        r"\bCUDA_ERROR_(?:LAUNCH_FAILED|ECC_UNCORRECTABLE|ILLEGAL_ADDRESS|ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS"
-        r"|HARDWARE_STACK_ERROR|UNKNOWN)\b",
+        (r"\bCUDA_ERROR_(?:LAUNCH_FAILED|ECC_UNCORRECTABLE|ILLEGAL_ADDRESS|ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS"
+         r"|HARDWARE_STACK_ERROR|UNKNOWN)\b"),
         r"\bcudaError(?:LaunchFailure|IllegalInstruction|MisalignedAddress|HardwareStackError|Unknown)\b",
         r"CU(?:BLAS|DNN)_STATUS_EXECUTION_FAILED"),
         keywords=("illegal", "uncorrectable", "xid", "launch failure", "device-side assert", "assertion", "misaligned",
@@ -97,21 +112,32 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         keywords=("out of memory", "oom", "out-of-memory", "killed by signal", "outofmemoryerror", "memory pressure",
                   "low on memory"), priority=45),
     # Explicit NaN raises (Megatron/NeMo rerun state machine, anomaly mode, clip_grad_norm_) always count.
+    # Guards in other frameworks' words count too: an fp16 loss scale that reached its minimum (every step
+    # overflowed), torch.distributions / torch.multinomial refusing NaN inputs, 'outputs are NaN' checks.
     Rule("nan_raised", CrashClass.NAN_LOSS, (
         r"Unexpected result (?:nan|inf)\b", r"\bfound (?:a )?(?:nan|inf)\b", r"Rerun state machine.*\bnan\b",
-        r"\bloss (?:is|became|was) (?:nan|inf)\b", r"\bnan (?:loss|gradients?) (?:detected|found|encountered)\b",
+        r"\bloss (?:is|became|was|has become) (?:nan|inf(?:inite)?)\b", r"\bnan (?:loss|gradients?) (?:detected|found|encountered)\b",
         r"returned nan values in its", r"is non-finite, so it cannot be clipped", r"\bdetected (?:a )?nan\b",
-        r"\b(?:loss|grad\w*)\b.{0,40}\b(?:is|are|became|returned|contains?|has) (?:a |an )?(?:nans?|infs?|non-finite)\b",
-        r"\bnan (?:loss|gradients?|grad norm)\b"),
-        keywords=("nan", "inf", "non-finite"), exclude=_HYPOTHETICAL, priority=50),
+        (r"\b(?:loss|grad\w*|outputs?|logits?|predictions?|activations?|probabilit\w+|weights?|param\w*)\b"
+         r".{0,40}\b(?:is|are|became|returned|contains?|has) (?:either |a |an )?[`'\"]?(?:nans?|infs?|infinite|non-finite)\b"),
+        r"\bnan (?:loss|gradients?|grad norm)\b",
+        r"\bloss scale (?:is )?already at (?:its )?minimum", r"\bminimum loss scale reached",
+        r"constraint Real\(\), but found invalid values",
+        r"=\s*[-+]?(?:nan|inf)\s+is not finite", r"\bInvalid loss, terminating training"),   # Lightning EarlyStopping, Keras
+        keywords=("nan", "inf", "non-finite", "minimum", "invalid values", "not finite", "invalid loss"), exclude=(*_HYPOTHETICAL, *_ADVICE), priority=50),
     # NaN/Inf in progress lines counts only when no finite progress line follows (fp16 overflow steps
     # recover; a DeepSpeed OVERFLOW is not a NaN).
     Rule("nan_progress", CrashClass.NAN_LOSS, (
         r"""['"]?\b\w*(?:loss|grad_norm)['"]?\s*[:=]\s*['"]?[-+]?(?:nan|inf(?:inity)?)\b""",
         r"\b(?:lm loss|grad norm)\s*:\s*[-+]?(?:nan|inf)\b", r"\bstep \d+: loss [-+]?(?:nan|inf)\b",
         r"\[\s*\w*(?:loss|grad[_ ]norm)\s*\]\s*[:=]?\s*[-+]?(?:nan|inf)\b",
-        r"number of nan iterations:\s*[1-9]"),
+        r"number of nan iterations:\s*[1-9]", r"\bNaN or Inf found in input tensor"),   # tensorboard(X) logging a NaN
         keywords=("nan", "inf"), requires=("no_recovery",), exclude=_HYPOTHETICAL, priority=51),
+    # A dynamic loss scale halved below 1e-3 means every recent step overflowed (apex, fairseq): non-finite
+    # training, unless a finite progress line follows.
+    Rule("nan_loss_scale_decay", CrashClass.NAN_LOSS, (
+        r"\bloss scal\w*\b.{0,40}\b(?:to|reducing to|setting loss scale to):?\s*(?:0\.000\d*|[1-9](?:\.\d+)?e-0*(?:[4-9]|\d{2,}))\b",),
+        keywords=("loss scal",), requires=("no_recovery",), priority=53),
     # Megatron-LM omits 'lm loss' when its average is NaN: after lines that had a loss, an iteration
     # line at loss scale 1.0 (bf16: no overflow skipping) without any '... loss:' field is a NaN.
     Rule("nan_missing_loss", CrashClass.NAN_LOSS,
@@ -131,8 +157,8 @@ RULES: tuple[Rule, ...] = tuple(sorted((
     # A plain Python error ends the run on its rank; the other ranks then lose their peer (remote errors,
     # aborts, watchdog timeouts). Only the unambiguous user-level types, not after later progress lines.
     Rule("user_error", CrashClass.OTHER, (*_CLI_ERROR,
-        r"^(?:[\w.]+\.)?(?:ModuleNotFound|Import|FileNotFound|Key|Type|Attribute|Index|Name|Value|ZeroDivision|NotImplemented"
-        r"|UnboundLocal|JSONDecode|UnicodeDecode|Permission|IsADirectory|Syntax|Assertion)Error\b"),
+        (r"^(?:[\w.]+\.)?(?:ModuleNotFound|Import|FileNotFound|Key|Type|Attribute|Index|Name|Value|ZeroDivision|NotImplemented"
+         r"|UnboundLocal|JSONDecode|UnicodeDecode|Permission|IsADirectory|Syntax|Assertion)Error\b")),
         keywords=("error", "remaining_argv"), requires=("not_killed", "no_recovery"),
         exclude=(r"\bnan\b", r"\binf\b", r"non-finite", r"\bnccl", r"Warning\b"), priority=65),
     # ncclRemoteError: a peer vanished or the network failed. NCCL's own error when nothing above explains it.
@@ -147,7 +173,8 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"DistBackendError.*(?:timeout|timed out)", r"store->get\(.*(?:wait timeout|Socket Timeout)",
         r"wait timeout after \d+ms, keys:", r"DistStoreError: .*Timed out", r"RendezvousTimeoutError",
         r"watchdog got stuck for \d+ seconds", r"\bSocket Timeout\b", r"client socket has timed out after",
-        r"waitForInput: socket .* timed out after", r"failed to pass monitoredBarrier"),
+        r"waitForInput: socket .* timed out after", r"failed to pass monitoredBarrier",
+        r"\bTimeout at NCCL work\b", r"\btimed out in blocking wait\b", r"dump signal due to a collective timeout"),
         keywords=("timeout", "timed out", "got stuck", "monitoredbarrier"), priority=70),
     # Bare SIGKILL evidence (torchrun, DeepSpeed launcher, spawn, accelerate, bash) or exit 9/137.
     # torchrun's own SIGKILL escalation after SIGTERM is teardown, not the host killing a worker.

@@ -1,0 +1,23 @@
+"""The real crash-excerpt collections (tests/fixtures/real, real2, ../shared/crash-logs) and their scorer."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+_FIXTURES = Path(__file__).parent / "fixtures"
+_spec = importlib.util.spec_from_file_location("real_measure", _FIXTURES / "real" / "measure.py")
+assert _spec and _spec.loader
+measure = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(measure)
+
+REAL, REAL2 = measure.HERE, measure.REAL2
+REAL_INDEX = measure.load_index(REAL)
+REAL2_INDEX = measure.load_index(REAL2)
+SHARED = measure.SHARED if (measure.SHARED / "index.jsonl").is_file() else None
+SHARED_INDEX = measure.load_index(SHARED) if SHARED else []
+ALL_REAL = REAL_INDEX + REAL2_INDEX + SHARED_INDEX
+
+
+def split(index: list[dict], name: str) -> list[dict]:
+    """The entries of one split ('tune' or 'heldout')."""
+    return [e for e in index if e["split"] == name]
