@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-_FIXTURES = Path(__file__).parent / "fixtures"
+_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 _spec = importlib.util.spec_from_file_location("real_measure", _FIXTURES / "real" / "measure.py")
 assert _spec and _spec.loader
 measure = importlib.util.module_from_spec(_spec)
