@@ -181,7 +181,7 @@ def translate(t: Training, run_name: str) -> Imported:
         given[name] = (f, name)
     if problems:
         raise ImportRefused(problems)
-    _tuner(backend, given)
+    _tuner(backend, given, t.line)
     for name, (f, _) in given.items():
         try:
             _one(out, backend, keys, f, name, given)
@@ -197,7 +197,7 @@ def translate(t: Training, run_name: str) -> Imported:
     return out
 
 
-def _tuner(backend: str, given: dict[str, tuple[Flag, str]]) -> None:
+def _tuner(backend: str, given: dict[str, tuple[Flag, str]], line: int) -> None:
     """ImportRefused unless the command is a LoRA fine-tune (megatron sft's default --tuner_type is full)."""
     if "tuner_type" in given:
         f, _ = given["tuner_type"]
@@ -207,7 +207,7 @@ def _tuner(backend: str, given: dict[str, tuple[Flag, str]]) -> None:
             raise ImportRefused([(f"line {f.line}: {f.written} {kind}: {what} is not supervised by this tool: it "
                                  "supervises LoRA fine-tunes (--tuner_type lora)")])
     elif backend == "megatron" and not ({"adapters", "mcore_adapter"} & given.keys()):
-        raise ImportRefused([("no --tuner_type: `megatron sft` then trains all parameters (its default --tuner_type "
+        raise ImportRefused([(f"line {line}: no --tuner_type: `megatron sft` then trains all parameters (its default --tuner_type "
                              "is full), which this tool does not supervise; add --tuner_type lora for a LoRA run")])
 
 
