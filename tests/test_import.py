@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import ROOT
+
 from orchestrator.config.command_form import find_training
 from orchestrator.config.import_check import round_trip_problems
 from orchestrator.config.importer import Imported
