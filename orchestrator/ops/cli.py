@@ -133,6 +133,7 @@ def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
                + (" (chosen at each launch)" if r.checkpoint.save_steps == "auto" else "")
                + (f"; a SIGKILL will hit the trainer once it reaches step {crash_at}" if crash_at else ""))
     started: list = []
+    guide.keep_node_history_apart(workdir)  # the injected crash stays out of the machine's node history
 
     def on_start(sup) -> None:
         started.append(sup)
