@@ -185,3 +185,36 @@ def test_unreadable_scripts_raise_with_the_line():
         commands("echo ok\nswift sft --x \"y\n\n")
     assert commands("echo $HOME")[0].unresolved == ("HOME",)
     assert commands("swift sft --x $X", {"X": "given"})[0].words[-1] == "given"
+
+
+@pytest.mark.parametrize("values, kind, expected", [
+    (("8",), int, 8), (("-1",), int, -1), (("1e-4",), float, 1e-4), (("2",), float, 2.0), ((), bool, True),
+    (("True",), bool, True), (("false",), bool, False), (("a", "b"), list, ["a", "b"]), (("x y",), str, "x y"),
+])
+def test_convert_reads_words_as_the_recipe_keys_type(values, kind, expected):
+    from orchestrator.config.importer import convert
+
+    got = convert(values, kind)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize("values, kind", [(("8.5",), int), (("eight",), int), (("nan",), float), (("1_0",), float),
+                                          (("maybe",), bool), ((), int), (("1", "2"), float), ((), list)])
+def test_convert_refuses_what_is_not_that_type(values, kind):
+    from orchestrator.config.importer import convert
+
+    with pytest.raises(ValueError, match="expected"):
+        convert(values, kind)
+
+
+@pytest.mark.parametrize("values, expected", [
+    ((), True), (("true",), True), (("False",), False), (("3",), 3), (("1e-3",), 1e-3), (("0.5",), 0.5),
+    # false-positive rows: words that look like numbers but would not render back as written stay strings
+    (("007",), "007"), (("+3",), "+3"), (("inf",), "inf"), (("1_000",), "1_000"), (("v1.2",), "v1.2"),
+    (("a", "b"), ["a", "b"]), (("",), ""),
+])
+def test_extra_args_values_keep_what_was_written(values, expected):
+    from orchestrator.config.importer import extra_value
+
+    got = extra_value(values)
+    assert got == expected and type(got) is type(expected)
