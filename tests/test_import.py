@@ -218,3 +218,19 @@ def test_extra_args_values_keep_what_was_written(values, expected):
 
     got = extra_value(values)
     assert got == expected and type(got) is type(expected)
+
+
+def test_megatron_accumulation_becomes_the_global_batch_and_other_forms_are_read(tmp_path):
+    text = ("NPROC_PER_NODE=4 megatron sft --model /m --dataset d --tuner_type lora --train_iters 5 "
+            "--micro_batch_size 2 --gradient_accumulation_steps 3 --tensor_model_parallel_size 2\n")
+    r = invoke("import", "-", "--json", stdin=text)
+    report = json.loads(r.stdout)
+    assert report["recipe"]["optim"]["global_batch_size"] == 2 * 3 * 2  # micro x accumulation x data-parallel
+    (d,) = report["dropped"]
+    assert d["flag"] == "--gradient_accumulation_steps" and "= 12" in d["reason"]
+    for form in ("python -m swift.cli.main sft", "python3 swift/cli/sft.py", "torchrun --nproc_per_node=2 swift/cli/sft.py"):
+        r = invoke("import", "-", "--json", stdin=f"{form} --model /m --dataset d --max_steps 3\n")
+        assert r.exit_code == 0, (form, r.output)
+        assert json.loads(r.stdout)["recipe"]["run"]["backend"] == "swift"
+    r = invoke("import", "-", "--json", stdin="torchrun --nproc_per_node=2 swift/cli/sft.py --model /m --dataset d --max_steps 3")
+    assert json.loads(r.stdout)["recipe"]["parallel"]["nproc_per_node"] == 2

@@ -89,6 +89,9 @@ def _launched(words: tuple[str, ...]) -> tuple[str, str, str, tuple[tuple[str, s
         m = _MODULE.match(rest[1])
         if not m:
             return None
+        if m.group(2) == "main":  # python -m swift.cli.main sft ...: the subcommand follows
+            return "python -m", rest[2] if len(rest) > 2 else "", "megatron" if m.group(1) else "swift", (), \
+                tuple(rest[3:])
         return "python -m", m.group(2), "megatron" if m.group(1) else "swift", (), tuple(rest[2:])
     form = "python"
     if prog in _LAUNCHERS or (prog == "accelerate" and rest[:1] == ["launch"]):

@@ -171,7 +171,7 @@ def translate(t: Training, run_name: str) -> Imported:
             out.drop(f.written, value, 'not an ms-swift 4.x flag: Megatron training is the `megatron sft` command '
                                        f'(run.backend = "{backend}")')
             continue
-        problem = F.check_flag(backend, name)
+        problem = None if (backend, name) == ("megatron", "gradient_accumulation_steps") else F.check_flag(backend, name)
         if problem is not None:
             cut = f is t.flags[-1] and not f.values and any(k.startswith(name) for k in F.KNOWN[backend])
             if cut:
@@ -346,6 +346,12 @@ def _defaults(out: Imported, t: Training, backend: str, given: dict, problems: l
         out.notes.append(f"model.path {model!r} is relative: read against the recipe's directory. A hub id is not "
                          "downloaded (runs are offline, HF_HUB_OFFLINE=1): download it first and set model.path to "
                          "the local directory")
+    if _get(out, "model.torch_dtype") is None:
+        out.notes.append("model.torch_dtype = bfloat16: the recipe's default (the command gave none; ms-swift would "
+                         "take the model's own dtype)")
+    if _get(out, "data.dataloader_num_workers") is None:
+        out.notes.append("data.dataloader_num_workers = 0: the recipe's default (the command gave none; ms-swift's "
+                         f"is {'4' if backend == 'megatron' else 'its own choice'})")
     if _get(out, "data.max_length") is None:
         out.notes.append("data.max_length = 2048: the recipe's default (the command gave none; ms-swift would "
                          "take the model's maximum)")
@@ -355,15 +361,25 @@ def _batch(out: Imported, backend: str) -> None:
     """swift sft: optim.global_batch_size from the micro batch, the accumulation and the data-parallel size."""
     optim = out.recipe.setdefault("optim", {})
     accumulation = optim.pop("gradient_accumulation_steps", None)
-    if backend != "swift":
-        if accumulation is not None:
-            out.mapped[:] = [e for e in out.mapped if e["flag"] != "--gradient_accumulation_steps"]
-            out.drop("--gradient_accumulation_steps", str(accumulation), F.REPLACEMENTS["megatron"]
-                     ["gradient_accumulation_steps"])
-        return
     par = out.recipe.get("parallel", {})
     world = par.get("nproc_per_node", 1) * par.get("nnodes", 1)
     micro = optim.get("micro_batch_size", 1)
+    if backend != "swift":  # megatron sft has no --gradient_accumulation_steps: the global batch says it
+        if accumulation is not None:
+            flag = next(e for e in out.mapped + out.renamed if e["key"] == "optim.global_batch_size"
+                        and "gradient_accumulation_steps" in e["flag"])
+            for entries in (out.mapped, out.renamed):
+                if flag in entries:
+                    entries.remove(flag)
+            dp = world // (par.get("tensor", 1) * par.get("pipeline", 1) * par.get("context", 1) or 1)
+            if "global_batch_size" in optim:
+                why = f"--global_batch_size {optim['global_batch_size']} is given and decides the accumulation"
+            else:
+                optim["global_batch_size"] = micro * accumulation * dp
+                why = (f"`megatron sft` has no such flag: optim.global_batch_size = micro batch x accumulation x "
+                       f"data-parallel size = {micro} x {accumulation} x {dp} = {optim['global_batch_size']}")
+            out.drop(flag["flag"], flag["value"], why)
+        return
     if accumulation is None:  # ms-swift's own default (TrainArguments: 16 samples per step)
         accumulation = max(1, math.ceil(16 / micro / world))
         out.notes.append(f"gradient accumulation {accumulation}: ms-swift's default for this batch and world size "
