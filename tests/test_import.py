@@ -234,3 +234,9 @@ def test_megatron_accumulation_becomes_the_global_batch_and_other_forms_are_read
         assert json.loads(r.stdout)["recipe"]["run"]["backend"] == "swift"
     r = invoke("import", "-", "--json", stdin="torchrun --nproc_per_node=2 swift/cli/sft.py --model /m --dataset d --max_steps 3")
     assert json.loads(r.stdout)["recipe"]["parallel"]["nproc_per_node"] == 2
+
+
+def test_an_exported_variable_built_from_an_unset_one_is_unresolved():
+    (cmd,) = commands("export OUT=$BASE/x\nswift sft --model /m")
+    assert cmd.unresolved == ("BASE",) and cmd.env == {"OUT": "/x"}
+    assert commands("export OUT=$BASE/x\nswift sft --model /m", {"BASE": "/b"})[0].env == {"OUT": "/b/x"}

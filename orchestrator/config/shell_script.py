@@ -259,7 +259,7 @@ def commands(script: str, given: dict[str, str] | None = None) -> list[Command]:
             raise ScriptError(f"line {raw.line}: {e}") from None
         while words and words[0] in _WRAPPERS:
             words = words[1:]
-        exporting = words[:1] in (["export"], ["declare", "-x"]) or words[:2] == ["declare", "-x"]
+        exporting = words[:1] == ["export"] or words[:2] == ["declare", "-x"]
         if exporting:
             words = words[2:] if words[0] == "declare" else words[1:]
         prefix: dict[str, str] = {}
@@ -281,6 +281,8 @@ def commands(script: str, given: dict[str, str] | None = None) -> list[Command]:
                     if NAME.fullmatch(name) and name in values:
                         exported[name] = values[name]
             continue
-        out.append(Command(tuple(words), raw.line, {**exported, **prefix}, prefix, tuple(ex.unresolved),
+        # an exported variable whose value needed an unset one leaves this command's environment unresolved too
+        unresolved = list(ex.unresolved) + [n for v in exported for n in taint.get(v, ()) if n not in ex.unresolved]
+        out.append(Command(tuple(words), raw.line, {**exported, **prefix}, prefix, tuple(dict.fromkeys(unresolved)),
                            tuple(ex.problems)))
     return out

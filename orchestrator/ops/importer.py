@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import click
 
 from orchestrator.config import recipe as R
 from orchestrator.config.command_form import ImportRefused, Training, find_training
@@ -149,10 +152,6 @@ def refusal_json(e: ImportRefused, source: str) -> str:
 
 def main(script: str, output: Path | None, variables: tuple[str, ...], force: bool, as_json: bool) -> int:
     """The `import` command: read SCRIPT (- is stdin), write the recipe (or print it), report; the exit code."""
-    import sys
-
-    import click
-
     def refuse(e: ImportRefused) -> int:
         if as_json:
             click.echo(refusal_json(e, script))
