@@ -93,10 +93,11 @@ def import_script(text: str, source: str, output: Path | None, variables: dict[s
 def _validated(toml: str, where: Path, imported: Imported) -> tuple[R.Recipe, Path]:
     """The recipe loaded from a scratch file beside where it goes (its relative paths resolve as they will
     there; in a temporary directory where that one cannot be written) and the directory it resolved against."""
+    scratch = None
     try:
         fd, name = tempfile.mkstemp(dir=where, prefix=".orchestrator-import-", suffix=".toml")
     except OSError:
-        where = Path(tempfile.mkdtemp(prefix="orchestrator-import-"))
+        scratch = where = Path(tempfile.mkdtemp(prefix="orchestrator-import-"))
         fd, name = tempfile.mkstemp(dir=where, suffix=".toml")
     path = Path(name)
     try:
@@ -108,6 +109,8 @@ def _validated(toml: str, where: Path, imported: Imported) -> tuple[R.Recipe, Pa
                              _from_flags(e.problems, imported)] or [str(e)]) from None
     finally:
         path.unlink(missing_ok=True)
+        if scratch is not None:
+            scratch.rmdir()
 
 
 def write(result: Result, force: bool) -> None:
