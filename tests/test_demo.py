@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shlex
 import tomllib
@@ -70,6 +71,10 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
             "--set", f"supervisor.port_range=[{lo}, {hi}]", cwd=here, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = work / "run" / "out"
+    # the injected crash is in the demo's own node history, not the machine's (conftest's ORCHESTRATOR_NODE_STATE_DIR)
+    (demo_run,) = json.loads((work / "node-state" / "node.json").read_text())["runs"].values()
+    assert demo_run["failures"] == 1
+    assert not (Path(os.environ["ORCHESTRATOR_NODE_STATE_DIR"]) / "node.json").exists()
     j = journal(out)
     try:
         first, second, export = j.attempts()  # the demo's checkpoint.merge = "final": the export comes last
