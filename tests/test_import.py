@@ -22,8 +22,8 @@ REFUSED = {"megatron/lora/dpo.sh": "`megatron rlhf` is RLHF", "train/rlhf/dpo/lo
            "megatron/sft.sh": "trains all parameters",
            "train/multi-node/torchrun/train_node1.sh": "--tuner_type full: full-parameter training"}
 LORA = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.sh") if str(p.relative_to(EXAMPLES)) not in REFUSED)
-FIELD = Path("/work/shared/research/field-command.sh")
-FIELD_TEXT = FIELD.read_text() if FIELD.exists() else None
+FIELD = ROOT / "tests" / "fixtures" / "field" / "397b-command.sh"  # the field run's command (design notes)
+FIELD_TEXT = FIELD.read_text()
 
 
 def invoke(*args: str, stdin: str | None = None):
@@ -78,7 +78,6 @@ def test_commands_it_does_not_supervise_exit_2_saying_what(example):
     assert REFUSED[example] in r.stderr and "Traceback" not in r.output
 
 
-@pytest.mark.skipif(FIELD_TEXT is None, reason="the field command of the design notes is not on this machine")
 def test_the_field_command_imports_as_a_megatron_recipe(tmp_path):
     report, plan = import_and_plan(FIELD, tmp_path)
     assert_round_trip(FIELD_TEXT, report, plan, tmp_path)

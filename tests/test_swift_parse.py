@@ -179,10 +179,9 @@ def test_imported_commands_parse(tmp_path):
     from orchestrator.ops.importer import import_script
 
     examples = ROOT / "tests" / "fixtures" / "ms-swift" / "examples"
-    field = Path("/work/shared/research/field-command.sh")
+    field = ROOT / "tests" / "fixtures" / "field" / "397b-command.sh"
     scripts = {name: ((examples / name).read_text(), shape) for name, shape in IMPORTED.items()}
-    if field.exists():
-        scripts["field"] = (field.read_text(), "qwen3.5-397b-a17b")
+    scripts["field"] = (field.read_text(), "qwen3.5-397b-a17b")
     commands = []
     for i, (name, (text, shape)) in enumerate(sorted(scripts.items())):
         d = tmp_path / str(i)
