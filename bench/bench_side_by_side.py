@@ -20,7 +20,7 @@ person noticing a hang after 2 h is 120 s, the orchestrator's hang_timeout_s 180
 bound 90 s is 1.5 s, nccl_settle_s 0.5 s. Targets: orchestrator wall time <= 0.8x the loop's with the
 hang, <= 0.95x without. Also measured here: the verified wait after each SIGKILL (the trainer's exit
 noticed -> the next launch; target <= 5 s) and that every launch took a free port.
---quick: the fake trainer (tests/fake_trainer.py) instead of swift, 30 steps, hang noticed after 4 s, for CI.
+--quick: the fake trainer (tests/support/fake_trainer.py) instead of swift, 30 steps, hang noticed after 4 s, for CI.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@
                       a second: the supervisor process's max RSS (<= 100 MB) and its CPU over a steady
                       ~22 s window (<= 1 % of a core).
 
-2 and 3 come from the same runs: the fake trainer (tests/fake_trainer.py) crashing with fla_backward_oom
+2 and 3 come from the same runs: the fake trainer (tests/support/fake_trainer.py) crashing with fla_backward_oom
 every 6 steps, resumed from its newest checkpoint each time. Unless --quick/--no-variants, 2-4 are also
 run in the situations that used to cost more: 100 checkpoints on disk, a crash 0.3 s after a 1 GiB save,
 and a checkpoint saved every 10 s; see bench/README.md.

@@ -9,7 +9,7 @@ the supervisor's warm-up (orchestrator/host/pagecache.py, as LocalHost.warm_page
 before a relaunch) to its end before launching; "cold" launches at once. Both take the second start's
 path (--load_from_cache_file true with the datasets cache already built, as a relaunch finds it).
 Reported: median cold / median warm launch -> first step (> 1 = the warm-up saves time).
---quick: the fake trainer (tests/fake_trainer.py), one start each: proves the script runs.
+--quick: the fake trainer (tests/support/fake_trainer.py), one start each: proves the script runs.
 """
 from __future__ import annotations
 

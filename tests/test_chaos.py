@@ -1,4 +1,4 @@
-"""Chaos soak (tests/chaos.py): injected faults of every crash class, kill -9 of the supervisor at awkward
+"""Chaos soak (tests/support/chaos.py): injected faults of every crash class, kill -9 of the supervisor at awkward
 moments and interrupted syncs, with the reliability invariants checked all along.
 
 CI runs the small counts (about 25 faults, 3 supervisor kills, 3 standalone sync kills; well under 90 s on

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shlex
 import tomllib
@@ -70,6 +71,10 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
             "--set", f"supervisor.port_range=[{lo}, {hi}]", cwd=here, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = work / "run" / "out"
+    # the injected crash is in the demo's own node history, not the machine's (conftest's ORCHESTRATOR_NODE_STATE_DIR)
+    (demo_run,) = json.loads((work / "node-state" / "node.json").read_text())["runs"].values()
+    assert demo_run["failures"] == 1
+    assert not (Path(os.environ["ORCHESTRATOR_NODE_STATE_DIR"]) / "node.json").exists()
     j = journal(out)
     try:
         first, second, export = j.attempts()  # the demo's checkpoint.merge = "final": the export comes last
@@ -117,3 +122,38 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
         assert goodput_of(j).total_s == pytest.approx(g.total_s), "and adds no idle time"
     finally:
         j.close()
+
+
+def test_the_demo_keeps_its_node_history_apart_from_the_machines(tmp_path, monkeypatch):
+    """The injected SIGKILL is recorded in the demo's own node history, never in the machine's: a later real run's
+    save_steps = "auto" (and `plan`) read the machine's and would count the demo's crash as this node's."""
+    import os
+
+    from click.testing import CliRunner
+
+    from orchestrator.host.node_history import NodeHistory
+    from orchestrator.ops import cli, tiny
+    from orchestrator.types import ExitCode
+
+    machine = Path(os.environ["ORCHESTRATOR_NODE_STATE_DIR"])  # conftest: a temporary "machine" directory
+    seen = {}
+
+    class Ran:
+        def __init__(self, recipe):
+            self.recipe = recipe
+
+    def supervise(r, on_start=None):  # the supervisor records its run's failures as save_interval.py does
+        on_start(Ran(r))
+        history = NodeHistory()
+        seen["path"] = history.path
+        assert history.record("demo-cpu-run", 1, 0.01, 1.0) is None
+        return ExitCode.OK
+
+    monkeypatch.setattr(tiny, "build", lambda workdir: workdir.mkdir(parents=True, exist_ok=True))
+    monkeypatch.setattr(cli, "supervise", supervise)
+    monkeypatch.setattr(demo, "inject_kill", lambda sup, step, say: None)
+    r = CliRunner().invoke(cli.main, ["demo", "--workdir", str(tmp_path / "w")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert seen["path"] == tmp_path / "w" / "node-state" / "node.json"
+    assert json.loads(seen["path"].read_text())["runs"]["demo-cpu-run"]["failures"] == 1
+    assert not (machine / "node.json").exists()

@@ -1,4 +1,4 @@
-"""The fake trainer (tests/fake_trainer.py) behaves like `megatron sft` / `swift sft` from outside."""
+"""The fake trainer (tests/support/fake_trainer.py) behaves like `megatron sft` / `swift sft` from outside."""
 from __future__ import annotations
 
 import ast

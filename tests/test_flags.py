@@ -285,3 +285,14 @@ def test_extractor_script(tmp_path):
         assert proc.returncode == 0 and json.loads(out.read_text())["ms_swift_version"]
     else:
         assert proc.returncode != 0 and "not installed" in proc.stderr
+
+
+@pytest.mark.parametrize("backend", flags.BACKENDS)
+def test_renamed_maps_an_unknown_name_to_the_known_4x_flag_its_hint_names(backend):
+    """`orchestrator import` renames through RENAMED: the old name must be refused, the new one known, and
+    check_flag's hint for the old name must point at the same flag."""
+    assert flags.RENAMED[backend]
+    for old, new in flags.RENAMED[backend].items():
+        assert old not in flags.KNOWN[backend] and new in flags.KNOWN[backend], (old, new)
+        assert flags.REPLACEMENTS[backend][old].split()[0] == new, (old, flags.REPLACEMENTS[backend][old])
+    assert "lr_scheduler_type" not in flags.RENAMED["megatron"], "values differ (lr_decay_style): not a rename"

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -398,7 +401,28 @@ def test_demo_recipe_symlink_resolves_in_recipes_dir():
     r = R.load(link)
     assert r.model.path == str((ROOT / ".demo" / "tiny-moe").resolve())
     assert r.data.dataset == [str((ROOT / ".demo" / "data.jsonl").resolve())]
-    assert "orchestrator/.demo" not in r.run.output_dir
+    # resolved beside the link (recipes/..), not beside its target (orchestrator/data/..): compared as paths,
+    # since a clone's own folder may well be named `orchestrator`
+    assert r.run.output_dir == str((ROOT / ".demo" / "run" / "out").resolve())
+    assert r.run.output_dir != str((ROOT / "orchestrator" / ".demo" / "run" / "out").resolve())
+
+
+def test_the_symlink_check_passes_in_a_clone_named_orchestrator(tmp_path):
+    """A new user's `git clone` makes a folder named `orchestrator`: the check above must pass there too (it once
+    asserted that the string `orchestrator/.demo` was absent from a path that then contains it)."""
+    clone = tmp_path / "orchestrator"
+    ignore = shutil.ignore_patterns(".git", ".venv", ".demo", "__pycache__", "*.egg-info", ".pytest_cache", "fixtures")
+    clone.mkdir()
+    for part in ("orchestrator", "recipes", "tests"):
+        shutil.copytree(ROOT / part, clone / part, symlinks=True, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", clone / "pyproject.toml")
+    assert (clone / "recipes" / "demo-cpu.toml").is_symlink()
+    env = {**os.environ, "PYTHONPATH": str(clone)}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_recipe.py::test_demo_recipe_symlink_resolves_in_recipes_dir"],
+                       cwd=clone, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "1 passed" in p.stdout
 
 
 def test_absolute_paths_kept(write_recipe, tmp_path):

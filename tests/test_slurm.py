@@ -1,5 +1,5 @@
 """Multi-node runs on Slurm (issue 15): srun's failure lines, the step's command, and a real 3-node
-Slurm cluster on this machine (tests/slurm_cluster.py) running a real 2-node `swift sft` (one rank
+Slurm cluster on this machine (tests/support/slurm_cluster.py) running a real 2-node `swift sft` (one rank
 per node, gloo) under the supervisor: completes; node 2's trainer SIGKILLed; node 2's trainer SIGSTOPped.
 """
 from __future__ import annotations

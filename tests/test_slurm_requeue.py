@@ -1,7 +1,7 @@
-"""A multi-node job submitted with sbatch to the real 3-node test cluster (tests/slurm_cluster.py): a node
+"""A multi-node job submitted with sbatch to the real 3-node test cluster (tests/support/slurm_cluster.py): a node
 whose GPU check stays bad is excluded and the job requeues itself onto the remaining nodes, and completes.
 
-The trainer is the fake trainer (tests/fake_trainer.py, fast; a real 2-node `swift sft` is what
+The trainer is the fake trainer (tests/support/fake_trainer.py, fast; a real 2-node `swift sft` is what
 tests/test_slurm.py runs): rank 0 trains, the other rank exits 0 at once (the fake trainer has no
 multi-node mode). What is real: sbatch, the batch script `orchestrator sbatch` writes, the srun steps,
 the GPU check step on every node, scontrol requeue / ExcNodeList, and the supervisor. The GPUs are

@@ -1,5 +1,5 @@
 """The supervisor's state machine, table-tested: for each state and event, the next state and the host
-calls made. No processes and no real time: an in-memory host (tests/fake_host.py) with a fake clock;
+calls made. No processes and no real time: an in-memory host (tests/support/fake_host.py) with a fake clock;
 files (journal, logs, checkpoints) are real, in tmp_path."""
 from __future__ import annotations
 

@@ -166,3 +166,50 @@ def test_demo_export_parses(tiny_model, tmp_path):
     assert res["remaining"] == []
     assert res["parsed"]["adapters"] == [str(ckpt)] and res["parsed"]["merge_lora"] is True
     assert res["parsed"]["output_dir"] == str(staging)
+
+
+IMPORTED = {"megatron/lora/moe.sh": "qwen3-235b-a22b", "megatron/lora/qwen3_235b.sh": "qwen3-235b-a22b",
+            "megatron/lora/loss_scale.sh": "qwen3-235b-a22b", "megatron/mcore_bridge/lora/moe.sh": "qwen3-235b-a22b"}
+
+
+def test_imported_commands_parse(tmp_path):
+    """`orchestrator import` of ms-swift's own MoE LoRA examples and of the field command: the recipes' commands
+    parse with ms-swift's classes, nothing left over (the model and data swapped for local stand-ins of the
+    same architecture: ms-swift reads config.json)."""
+    from orchestrator.ops.importer import import_script
+
+    examples = ROOT / "tests" / "fixtures" / "ms-swift" / "examples"
+    field = ROOT / "tests" / "fixtures" / "field" / "397b-command.sh"
+    scripts = {name: ((examples / name).read_text(), shape) for name, shape in IMPORTED.items()}
+    scripts["field"] = (field.read_text(), "qwen3.5-397b-a17b")
+    commands = []
+    for i, (name, (text, shape)) in enumerate(sorted(scripts.items())):
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "recipe.toml").write_text(import_script(text, name, d / "recipe.toml", {}).toml)
+        stand_in = large_recipe(next(k for k, v in LARGE.items() if v == shape), d)
+        r = R.load(d / "recipe.toml", [f"model.path={stand_in.model.path!r}", f"data.dataset={stand_in.data.dataset!r}",
+                                        f"run.output_dir={str(d / 'out')!r}"])
+        commands.append(render_command(r, None, 29500))
+    for name, res in zip(sorted(scripts), probe(commands)):
+        assert "error" not in res, (name, res.get("error"), res.get("trace"))
+        assert res["remaining"] == [], name
+
+
+@pytest.mark.parametrize("example", ["train/lora_sft.sh", "train/tuners/lora/train.sh", "train/multi-gpu/ddp/train.sh"])
+def test_imported_swift_sft_examples_parse(example, tiny_model, tmp_path):
+    """ms-swift's own `swift sft` LoRA examples, imported: SftArguments takes the command (the tiny model and its
+    data stand in for the hub ones)."""
+    from orchestrator.ops.importer import import_script
+
+    text = (ROOT / "tests" / "fixtures" / "ms-swift" / "examples" / example).read_text()
+    (tmp_path / "recipe.toml").write_text(import_script(text, example, tmp_path / "recipe.toml", {}).toml)
+    r = R.load(tmp_path / "recipe.toml", [f"model.path={tiny_model['model']!r}", f"data.dataset=[{tiny_model['data']!r}]",
+                                          f"run.output_dir={str(tmp_path / 'out')!r}", 'model.torch_dtype="float32"',
+                                          'model.template="qwen3"'])  # the stand-in's name matches no template
+    (res,) = probe([render_command(r, None, 29500)])
+    assert "error" not in res, res.get("trace")
+    assert res["remaining"] == []
+    p = res["parsed"]
+    assert (p["tuner_type"], p["lora_rank"], p["num_train_epochs"]) == ("lora", 8, 1)
+    assert p["gradient_accumulation_steps"] == (8 if "ddp" in example else 16)  # as the example's own

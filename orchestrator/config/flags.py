@@ -185,6 +185,30 @@ REPLACEMENTS: dict[str, dict[str, str]] = {
 }
 
 
+# old / other-backend name -> the 4.x name taking the same value (what `orchestrator import` renames):
+# the 3.x -> 4.x renames above, and the other command's name where only the name differs.
+RENAMED: dict[str, dict[str, str]] = {
+    "megatron": {
+        "save_interval": "save_steps", "save": "output_dir", "load": "mcore_model", "adapter_load": "mcore_adapter",
+        "eval_interval": "eval_steps", "log_interval": "logging_steps", "max_epochs": "num_train_epochs",
+        "num_workers": "dataloader_num_workers", "train_type": "tuner_type", "manual_gc_interval": "manual_gc_steps",
+        "learning_rate": "lr", "max_steps": "train_iters", "per_device_train_batch_size": "micro_batch_size",
+        "warmup_ratio": "lr_warmup_fraction", "warmup_steps": "lr_warmup_iters", "max_grad_norm": "clip_grad",
+        "adam_epsilon": "adam_eps", "save_only_model": "no_save_optim", "lora_target_modules": "target_modules",
+    },
+    "swift": {
+        "train_type": "tuner_type", "lr": "learning_rate", "train_iters": "max_steps",
+        "micro_batch_size": "per_device_train_batch_size", "lr_warmup_fraction": "warmup_ratio",
+        "lr_warmup_iters": "warmup_steps", "clip_grad": "max_grad_norm", "adam_eps": "adam_epsilon",
+        "save_interval": "save_steps", "save": "output_dir", "eval_interval": "eval_steps",
+        "log_interval": "logging_steps", "num_workers": "dataloader_num_workers", "no_save_optim": "save_only_model",
+        "lora_target_modules": "target_modules",
+    },
+}
+for _b in BACKENDS:  # the ms-swift 2.x LoRA target name, still in old scripts
+    REPLACEMENTS[_b]["lora_target_modules"] = _to(_b, "target_modules", "the ms-swift 2.x name")
+
+
 def normalise(name: str) -> str:
     """`--save-steps` / `save-steps` / `save_steps` -> `save_steps`."""
     return name.strip().lstrip("-").replace("-", "_")

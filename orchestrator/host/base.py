@@ -1,7 +1,7 @@
 """The supervisor's one interface to the world: processes, GPUs, ports, disk and the clock.
 
 The loop (supervisor.py) does nothing to the machine except through a `Host`, so its state machine
-is table-tested with an in-memory host and a fake clock (tests/fake_host.py). `LocalHost` is the
+is table-tested with an in-memory host and a fake clock (tests/support/fake_host.py). `LocalHost` is the
 real thing for one node; a Slurm launcher becomes a second implementation of the launch part.
 
 Time: `now()` is wall-clock time, for what is recorded (journal, metrics); `monotonic()` measures

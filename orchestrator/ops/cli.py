@@ -1,4 +1,4 @@
-"""Command line: plan, run, demo, status, history, classify, verify, sync, report, simulate, install-service.
+"""Command line: import, plan, run, demo, status, history, classify, verify, sync, report, simulate, install-service.
 
 Exit codes: 0 ok, 1 internal error, 2 bad input (nothing launched), 3 gave up. Every command that
 takes a recipe takes `--set dotted.key=value` overrides, validated like the file.
@@ -47,6 +47,19 @@ def load_recipe(path: Path, overrides: tuple[str, ...]) -> Recipe:
 @click.version_option(package_name="orchestrator")
 def main() -> None:
     """Keep multi-day ms-swift LoRA fine-tunes of large MoE models alive."""
+
+
+@main.command(name="import")
+@click.argument("script")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the recipe here (default: stdout).")
+@click.option("--var", "variables", multiple=True, metavar="NAME=VALUE", help="A shell variable the script uses.")
+@click.option("--force", is_flag=True, help="Replace an existing --output file.")
+@JSON
+def import_cmd(script: str, output: Path | None, variables: tuple[str, ...], force: bool, as_json: bool) -> None:
+    """Turn SCRIPT (a shell script or pasted command running megatron/swift sft; - reads stdin) into a recipe."""
+    from orchestrator.ops.importer import main as import_main
+
+    sys.exit(import_main(script, output, variables, force, as_json))
 
 
 @main.command()
@@ -120,6 +133,7 @@ def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
                + (" (chosen at each launch)" if r.checkpoint.save_steps == "auto" else "")
                + (f"; a SIGKILL will hit the trainer once it reaches step {crash_at}" if crash_at else ""))
     started: list = []
+    guide.keep_node_history_apart(workdir)  # the injected crash stays out of the machine's node history
 
     def on_start(sup) -> None:
         started.append(sup)

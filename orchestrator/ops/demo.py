@@ -71,6 +71,15 @@ def write_recipe(packaged: Path, workdir: Path, overrides: tuple[str, ...]) -> P
     return path
 
 
+def keep_node_history_apart(workdir: Path) -> Path:
+    """Point this process's node history (host/node_history.py) at the demo's own directory and return it: the
+    injected SIGKILL is no fault of this machine, and every later real run's save_steps = "auto" reads the
+    machine's history (node.json in /var/lib/orchestrator or ~/.local/state/orchestrator)."""
+    directory = workdir / "node-state"
+    os.environ["ORCHESTRATOR_NODE_STATE_DIR"] = str(directory)
+    return directory
+
+
 # ------------------------------------------------------------------------------------------ the injected crash
 
 @dataclass

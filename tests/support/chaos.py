@@ -2,11 +2,11 @@
 """Chaos soak for the supervisor: many injected trainer faults, `kill -9` of the supervisor at awkward
 moments, interrupted syncs, and the reliability invariants checked all along.
 
-    python tests/chaos.py --faults 200 --supervisor-kills 20 --sync-kills 20 --seed N   # or --full
-    python tests/chaos.py                                                              # the CI counts
+    python tests/support/chaos.py --faults 200 --supervisor-kills 20 --sync-kills 20 --seed N   # or --full
+    python tests/support/chaos.py                                                              # the CI counts
 
 How it works
-  * A *long run* is one supervised run of the fake trainer (tests/fake_trainer.py, megatron flavour,
+  * A *long run* is one supervised run of the fake trainer (tests/support/fake_trainer.py, megatron flavour,
     checkpoint every 10 steps) with many faults in FAKE_FAULTS, each firing once (FAKE_STATE). Faults sit in
     clusters at step c+1 right after a checkpoint step c: the *primary* fires mid-training in the attempt that
     reached c+1 (it resumed from <= c-10, so it made checkpoint progress), then each *follower* fires at

@@ -1,4 +1,4 @@
-"""Realistic crash logs for the fake trainer (tests/fake_trainer.py), one per CrashClass.
+"""Realistic crash logs for the fake trainer (tests/support/fake_trainer.py), one per CrashClass.
 
 `text(cls, step=, nranks=, port=)` returns what an 8-GPU `megatron sft` / `swift sft` job prints on stderr
 (the workers' `[rankN]:`-prefixed output interleaved with the torchrun agent's) when the fault hits;

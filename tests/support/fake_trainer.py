@@ -4,7 +4,7 @@
 Run as `fake_trainer.py sft <ms-swift flags>`. It prints the real progress formats (stdout dict per log
 step, `[INFO:swift]` + tqdm on stderr), appends `<output_dir>/logging.jsonl`, writes checkpoints in the
 real order with the real completeness markers, resumes from them, and injects faults with the real crash
-texts (tests/crash_texts.py). No handler for SIGTERM: it dies of it (-15) like the real trainer.
+texts (tests/support/crash_texts.py). No handler for SIGTERM: it dies of it (-15) like the real trainer.
 
 Environment:
   FAKE_BACKEND      megatron | swift (default: swift if --max_steps is given, else megatron)

@@ -1,4 +1,4 @@
-"""Helpers for tests that run the supervisor against the fake trainer (tests/fake_trainer.py)."""
+"""Helpers for tests that run the supervisor against the fake trainer (tests/support/fake_trainer.py)."""
 from __future__ import annotations
 
 import json

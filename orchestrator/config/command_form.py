@@ -1,0 +1,183 @@
+"""Which command of a script is the training, and in which form: `megatron sft`, `swift sft` (with or without
+the fictional `--use_megatron true`), `torchrun ... swift/cli/sft.py`, `python -m swift.cli.sft`,
+`accelerate launch ... swift/cli/sft.py`; its launcher's options, and its sft arguments as flags.
+
+A command this tool does not supervise (RLHF, pre-training, inference, export, ...) or one it cannot read
+raises ImportRefused with what and where. Pure.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from orchestrator.config.shell_script import Command
+
+
+class ImportRefused(ValueError):
+    """Bad input for `orchestrator import` (exit 2); one line per problem."""
+
+    def __init__(self, problems: list[str], unresolved: tuple[str, ...] = ()):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+        self.unresolved = unresolved
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One sft flag as given: `name` normalised (no dashes in front, `-` as `_`), `written` as typed,
+    `values` the words after it (none: a bare flag, which ms-swift reads as true)."""
+
+    name: str
+    written: str
+    values: tuple[str, ...]
+    line: int
+
+    @property
+    def text(self) -> str:
+        return " ".join((self.written, *self.values))
+
+
+@dataclass(frozen=True)
+class Training:
+    """The training command: its backend (by command form), its sft flags, its launcher's options as
+    (option, value) pairs, its environment (prefix and exported variables) and where it starts."""
+
+    backend: str
+    form: str
+    flags: tuple[Flag, ...]
+    env: dict[str, str]
+    line: int
+    launcher: tuple[tuple[str, str], ...] = ()
+    others: tuple[str, ...] = field(default=())  # the script's other ms-swift commands, ignored
+
+
+_SUB = {"sft": "sft", "pt": "pre-training (`pt`)", "rlhf": "RLHF (`rlhf`)", "infer": "inference (`infer`)",
+        "export": "export (`export`)", "deploy": "deployment (`deploy`)", "eval": "evaluation (`eval`)",
+        "sample": "sampling (`sample`)", "rollout": "rollout (`rollout`)", "app": "an app (`app`)",
+        "web-ui": "the web UI (`web-ui`)", "merge-lora": "a LoRA merge (`merge-lora`)"}
+_LAUNCHERS = {"torchrun"}
+_PYTHON = re.compile(r"^(.*/)?python(3(\.\d+)?)?$")
+_SCRIPT = re.compile(r"(^|/)swift/cli/(_megatron/)?([a-z_]+)\.py$")
+_MODULE = re.compile(r"^swift\.cli\.(_megatron\.)?([a-z_]+)$")
+# torchrun options without a value (torch.distributed.run's store_true options)
+_TORCHRUN_BARE = {"standalone", "no_python", "run_path", "module", "m", "tee_stdout"}
+_ACCELERATE_BARE = {"multi_gpu", "use_deepspeed", "use_fsdp", "cpu", "mixed_precision_no", "debug"}
+
+
+def _where(c: Command) -> str:
+    return f"line {c.line}"
+
+
+def _launched(words: tuple[str, ...]) -> tuple[str, str, str, tuple[tuple[str, str], ...], tuple[str, ...]] | None:
+    """(program, subcommand, backend, launcher options, sft argv) of a command that runs ms-swift, else None."""
+    if not words:
+        return None
+    prog = words[0].rsplit("/", 1)[-1]
+    if prog in ("swift", "megatron"):
+        sub = words[1] if len(words) > 1 else ""
+        return prog, sub, prog, (), words[2:]
+    launcher: list[tuple[str, str]] = []
+    rest = list(words[1:])
+    if prog == "env":
+        while rest and "=" in rest[0]:
+            rest = rest[1:]
+        return _launched(tuple(rest))
+    python = bool(_PYTHON.match(words[0]))
+    if python and rest[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+        prog, rest = "torchrun", rest[2:]
+    if python and rest[:1] == ["-m"] and len(rest) > 1:
+        m = _MODULE.match(rest[1])
+        if not m:
+            return None
+        if m.group(2) == "main":  # python -m swift.cli.main sft ...: the subcommand follows
+            return "python -m", rest[2] if len(rest) > 2 else "", "megatron" if m.group(1) else "swift", (), \
+                tuple(rest[3:])
+        return "python -m", m.group(2), "megatron" if m.group(1) else "swift", (), tuple(rest[2:])
+    form = "python"
+    if prog in _LAUNCHERS or (prog == "accelerate" and rest[:1] == ["launch"]):
+        form = "torchrun" if prog in _LAUNCHERS else "accelerate launch"
+        if prog == "accelerate":
+            rest = rest[1:]
+        bare = _TORCHRUN_BARE if prog in _LAUNCHERS else _ACCELERATE_BARE
+        while rest and rest[0].startswith("-"):
+            opt, eq, val = rest.pop(0).partition("=")
+            name = opt.lstrip("-").replace("-", "_")
+            if not eq and name not in bare and rest:
+                val = rest.pop(0)
+            launcher.append((name, val if (eq or name not in bare) else "true"))
+        python = True
+        if rest and _PYTHON.match(rest[0]):
+            rest = rest[1:]
+    elif python:
+        while rest and rest[0].startswith("-") and rest[0] != "-m":
+            rest = rest[1:]
+    if not python or not rest:
+        return None
+    m = _SCRIPT.search(rest[0])
+    if not m:
+        return None
+    return form, m.group(3), "megatron" if m.group(2) else "swift", tuple(launcher), tuple(rest[1:])
+
+
+def find_training(cmds: list[Command]) -> tuple[Training, Command]:
+    """The one sft command of the script (and the Command it came from); ImportRefused otherwise."""
+    found: list[tuple[Command, tuple]] = []
+    others: list[str] = []
+    for c in cmds:
+        got = _launched(c.words)
+        if got is None:
+            continue
+        if got[1] == "sft":
+            found.append((c, got))
+        else:
+            others.append(f"{_where(c)}: {' '.join(c.words[:2])}")
+    if not found:
+        if others:
+            first = cmds[next(i for i, c in enumerate(cmds) if _launched(c.words))]
+            prog, sub, backend, _, _ = _launched(first.words)  # type: ignore[misc]
+            what = _SUB.get(sub, f"`{sub}`" if sub else "no subcommand")
+            raise ImportRefused([(f"{_where(first)}: `{backend} {sub}` is {what}, not a `megatron sft` / `swift sft` "
+                                 f"run: this tool supervises LoRA fine-tunes (sft) only")])
+        raise ImportRefused([("no `megatron sft` or `swift sft` command found (also looked for torchrun / python / "
+                             "accelerate launching swift/cli/sft.py)")])
+    if len(found) > 1:
+        raise ImportRefused([(f"{len(found)} sft commands (lines {', '.join(str(c.line) for c, _ in found)}): import "
+                             f"one at a time (save each as its own script)")])
+    c, (prog, _sub, backend, launcher, argv) = found[0]
+    if c.problems:
+        raise ImportRefused(list(c.problems))
+    if c.unresolved:
+        names = ", ".join(f"${n}" for n in c.unresolved)
+        raise ImportRefused([f"{_where(c)}: no value for {names}: give each with --var NAME=VALUE"],
+                            unresolved=c.unresolved)
+    return Training(backend, f"{prog} sft", parse_flags(argv, c), dict(c.env), c.line, launcher,
+                    tuple(others)), c
+
+
+_REDIRECT = re.compile(r"^\d*(>>?|<|>&|&>>?)(.*)$")
+
+
+def parse_flags(argv: tuple[str, ...], c: Command) -> tuple[Flag, ...]:
+    """`--name v ...` / `--name=v` words as Flags (redirections dropped); ImportRefused for a positional word
+    before the first flag (a config file) and for a paste cut off mid-flag."""
+    words: list[str] = []
+    it = iter(argv)
+    for w in it:
+        m = _REDIRECT.match(w)
+        if m:
+            if not m.group(2):
+                next(it, None)
+            continue
+        words.append(w)
+    out: list[Flag] = []
+    for w in words:
+        if w.startswith("--") and len(w) > 2:
+            name, eq, value = w.partition("=")
+            out.append(Flag(name[2:].replace("-", "_"), name, (value,) if eq else (), c.line))
+        elif not out:
+            raise ImportRefused([(f"{_where(c)}: `{w}` before the first flag: a config file (`sft config.yaml`) is "
+                                 f"not read by import; write its keys as --flags")])
+        else:
+            last = out[-1]
+            out[-1] = Flag(last.name, last.written, (*last.values, w), last.line)
+    return tuple(out)
