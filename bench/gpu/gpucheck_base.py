@@ -68,9 +68,12 @@ class Ctx:
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         path = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)]
         env["PYTHONPATH"] = os.pathsep.join(path)
+        # this interpreter's scripts (swift, torchrun) first, as in the venv the orchestrator would be installed in
+        env["PATH"] = os.pathsep.join([str(Path(self.python).parent), env.get("PATH", "")])
         return env | extra
 
     def orchestrator(self, *args: str) -> list[str]:
+        """The orchestrator's command line, run from the source tree."""
         return [self.python, "-m", "orchestrator", *args]
 
     def missing(self, need: str) -> str | None:

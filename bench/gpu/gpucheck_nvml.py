@@ -71,10 +71,15 @@ def reading(ctx: Ctx, label: str) -> dict:
     return out
 
 
+def holder_argv(ctx: Ctx, tag: str, size: list[str]) -> list[str]:
+    """The holder's command line (the tests replace it with one that holds no GPU)."""
+    return [ctx.python, str(ctx.here / "holder.py"), "--tag", tag, *size]
+
+
 def start_holder(ctx: Ctx, tag: str, log: str, hold_mib: int | None = None, leave_mib: int | None = None) -> tuple[Proc, dict]:
     """Start bench/gpu/holder.py and wait until it holds its memory: (process, its JSON line)."""
     size = ["--hold-mib", str(hold_mib)] if hold_mib is not None else ["--leave-mib", str(leave_mib)]
-    p = Proc([ctx.python, str(ctx.here / "holder.py"), "--tag", tag, *size], ctx.log(log), env=ctx.env())
+    p = Proc(holder_argv(ctx, tag, size), ctx.log(log), env=ctx.env())
     hit = p.wait_line(r'^\{"pid"', 120)
     if hit is None:
         p.stop(signal.SIGKILL)
@@ -83,10 +88,11 @@ def start_holder(ctx: Ctx, tag: str, log: str, hold_mib: int | None = None, leav
 
 
 def time_to_clear(since: float, timeout: float = 30.0) -> float | None:
-    """Seconds from `since` (time.monotonic) until the orchestrator's verdict on GPU 0 is clear; None if never."""
+    """Seconds from `since` (time.monotonic) until the orchestrator's verdict on GPU 0 is clear; None if never.
+    Through the reader the supervisor uses (NVML; the tests' stand-in where ORCHESTRATOR_GPU_STANDIN says)."""
     from orchestrator.host import gpu
 
-    reader = gpu.NvmlReader()
+    reader = gpu.reader(True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if gpu.clear_verdict(reader.snapshot(), GPU0, THRESHOLD_MIB)[0]:

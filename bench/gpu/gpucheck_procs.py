@@ -86,34 +86,56 @@ class Proc:
             return "\n".join(line for _, line in self.lines)
 
     def stop(self, sig: int = signal.SIGTERM, grace_s: float = GRACE_S) -> int | None:
-        """Send `sig` to the process, then SIGKILL it and everything under it still alive after `grace_s`."""
-        kill_tree(self.p.pid, sig, grace_s)
+        """Send `sig` to the process alone (a supervisor stops its own trainer), then SIGKILL it and everything
+        that was or is under it still alive after `grace_s`. Returns its return code."""
+        stop_tree(self.p.pid, sig, grace_s)
         self._waiter.join(grace_s)
         self._reader.join(grace_s)
         return self.p.returncode
 
 
-def kill_tree(pid: int, sig: int = signal.SIGTERM, grace_s: float = GRACE_S) -> list[int]:
-    """Signal `pid` and its descendants (gathered first: a killed parent's children are re-parented), then
-    SIGKILL whatever is left after `grace_s`. Returns the pids that had to be SIGKILLed."""
+def _tree(pid: int) -> list[psutil.Process]:
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-    for p in procs:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _await_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """Wait until every one of `procs` has exited, without reaping any (its parent's wait() must see the
+    real return code, not ECHILD)."""
+    deadline = time.monotonic() + timeout
+    while not all(_gone(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def stop_tree(pid: int, sig: int = signal.SIGTERM, grace_s: float = GRACE_S) -> list[int]:
+    """Signal `pid`, wait up to `grace_s` for it, then SIGKILL what is left of it and its descendants (gathered
+    before and after: a dead parent's children are re-parented). Returns the pids that had to be SIGKILLed."""
+    before = _tree(pid)
+    if not before:
+        return []
+    try:
+        before[0].send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+    _await_gone(before[:1], grace_s)
+    left = {p.pid: p for p in before + _tree(pid) if not _gone(p)}
+    for p in left.values():
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=grace_s)
-    return [p.pid for p in alive]
+    _await_gone(list(left.values()), grace_s)
+    return sorted(left)
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None,
@@ -128,7 +150,7 @@ def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | 
         try:
             rc = p.wait(timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(p.pid, signal.SIGKILL, 1.0)
+            stop_tree(p.pid, signal.SIGKILL, 1.0)
             p.wait()
             rc = 124
         f.write(f"\n[exit {rc}]\n")
