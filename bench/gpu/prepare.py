@@ -209,8 +209,9 @@ def pip_fetch(specs: list[str], dest: Path) -> dict[str, str]:
     return unavailable
 
 
-def tree_bytes(repo: Path = REPO) -> int:
+def tree_bytes(repo: Path | None = None) -> int:
     """Return the bytes of the working tree that travels with each call (tracked + untracked-not-ignored)."""
+    repo = REPO if repo is None else repo
     out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                          capture_output=True, check=True).stdout
     total = 0
