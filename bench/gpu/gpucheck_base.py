@@ -63,6 +63,10 @@ class Ctx:
     def left_s(self) -> float:
         return self.budget_s - (time.monotonic() - self.started)
 
+    def timeout(self, want_s: float, floor_s: float = 30.0) -> float:
+        """A child's time limit: `want_s`, cut to what is left of the budget (never under `floor_s`)."""
+        return max(floor_s, min(want_s, self.left_s()))
+
     def env(self, **extra: str) -> dict[str, str]:
         """The environment for child processes: this one, the repository first on PYTHONPATH."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

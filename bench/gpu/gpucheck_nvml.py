@@ -193,7 +193,7 @@ def classified(ctx: Ctx, log_name: str, text: str, exit_code: int | None, phase:
 def oom_case(ctx: Ctx, name: str, cmd: list[str], want: str, phase: str, timeout: float,
              env: dict[str, str] | None = None) -> dict:
     """Run `cmd`, which should die of a CUDA OOM; classify its output with and without the phase given."""
-    rc, text = procs.run_logged(cmd, ctx.log(f"{name}.log"), timeout, env=ctx.env(**(env or {})))
+    rc, text = procs.run_logged(cmd, ctx.log(f"{name}.log"), ctx.timeout(timeout), env=ctx.env(**(env or {})))
     text = text.rsplit("\n[exit ", 1)[0]
     inferred = classified(ctx, f"{name}.txt", text, rc, None)
     told = classified(ctx, f"{name}.txt", text, rc, phase)
@@ -203,20 +203,27 @@ def oom_case(ctx: Ctx, name: str, cmd: list[str], want: str, phase: str, timeout
 
 
 def oom_at_startup(ctx: Ctx) -> dict:
-    """A holder keeps the memory; a start-up allocation and a real `swift sft` start both run out."""
+    """Holders keep the memory: a start-up allocation (1 GiB left free) and the real `swift sft` start that
+    `orchestrator run` would launch (nothing left free) both run out."""
     result = {}
     holder, held = start_holder(ctx, "gpu-check-oom-holder", "oom_startup_holder.log", leave_mib=1024)
     try:
         result["holder"] = held
         result["weights"] = oom_case(ctx, "oom_startup_weights", [ctx.python, str(ctx.here / "oom_probe.py"),
                                      "startup", "--gib", "4"], "cold_start_oom", "startup", 120)
-        if ctx.missing("swift") is None:   # the very command `orchestrator run` would launch, and its env
-            plan = cli_json(ctx, "oom_startup_plan.log", "plan",
-                            str(gpu_recipe(ctx.work / "oom-swift", tiny(ctx), "gpucheck-oom")), "--no-probe")
-            result["swift"] = oom_case(ctx, "oom_startup_swift", plan["argv"], "cold_start_oom", "startup", 180,
-                                       env=plan["env"])
     finally:
         holder.stop(signal.SIGKILL)
+    if ctx.missing("swift") is None:   # the very command `orchestrator run` would launch, and its environment
+        plan = cli_json(ctx, "oom_startup_plan.log", "plan",
+                        str(gpu_recipe(ctx.work / "oom-swift", tiny(ctx), "gpucheck-oom")), "--no-probe")
+        time_to_clear(time.monotonic())
+        holder, held = start_holder(ctx, "gpu-check-oom-holder", "oom_startup_holder_all.log", leave_mib=0)
+        try:
+            result["holder_all"] = held
+            result["swift"] = oom_case(ctx, "oom_startup_swift", plan["argv"], "cold_start_oom", "startup", 180,
+                                       env=plan["env"])
+        finally:
+            holder.stop(signal.SIGKILL)
     bad = [k for k in ("weights", "swift") if k in result and not result[k]["ok"]]
     if bad:
         raise Failed(f"not classified cold_start_oom: {', '.join(bad)}: " + json.dumps({k: result[k] for k in bad}),
@@ -245,7 +252,7 @@ def tiny(ctx: Ctx):
     """The tiny MoE and its data, built once per check (offline, on the device's CPUs)."""
     if "tiny" not in ctx.cache:
         rc, text = procs.run_logged(ctx.orchestrator("build-tiny", str(ctx.work / "tiny")), ctx.log("build_tiny.log"),
-                                    300, env=ctx.env())
+                                    ctx.timeout(300), env=ctx.env())
         if rc != 0:
             raise Failed(f"orchestrator build-tiny exited {rc}:\n{text}")
         ctx.cache["tiny"] = ctx.work / "tiny"

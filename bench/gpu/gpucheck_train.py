@@ -53,7 +53,7 @@ def swift_sft_resume(ctx: Ctx) -> dict:
     sets = [a for s in GPU_SETS for a in ("--set", s)]
     with GpuSampler() as gpu_seen:
         rc, text = procs.run_logged(ctx.orchestrator("demo", "--workdir", str(t), "--crash-at", str(CRASH_AT), *sets),
-                                    ctx.log("swift_sft_resume.log"), min(360.0, max(ctx.left_s(), 60.0)),
+                                    ctx.log("swift_sft_resume.log"), ctx.timeout(360, floor_s=60),
                                     env=ctx.env())
     recipe = str(t / "demo-cpu.toml")
     history = cli_json(ctx, "swift_history.log", "history", recipe)
@@ -85,8 +85,8 @@ def swift_sft_resume(ctx: Ctx) -> dict:
 
 def fla_backward_oom(ctx: Ctx) -> dict:
     """fla's chunked gated delta rule forward + backward, then capped so the backward runs out inside fla."""
-    rc, text = procs.run_logged([ctx.python, str(ctx.here / "oom_probe.py"), "fla"], ctx.log("fla_oom.log"), 300,
-                                env=ctx.env())
+    rc, text = procs.run_logged([ctx.python, str(ctx.here / "oom_probe.py"), "fla"], ctx.log("fla_oom.log"),
+                                ctx.timeout(300), env=ctx.env())
     text = text.rsplit("\n[exit ", 1)[0]
     verdict = classified(ctx, "fla_oom.txt", text, rc, None)
     runs = [json.loads(line) for line in text.splitlines() if line.startswith('{"tokens"')]
@@ -109,7 +109,8 @@ PROBE = ("import importlib, json\nout = {}\n"
 def megatron_sft(ctx: Ctx) -> dict:
     """What megatron-core does here: which of its pieces import, and a supervised `megatron sft` of the tiny
     MoE (10 iterations) with what it found; the outcome is the finding either way."""
-    rc, text = procs.run_logged([ctx.python, "-c", PROBE], ctx.log("megatron_probe.log"), 120, env=ctx.env())
+    rc, text = procs.run_logged([ctx.python, "-c", PROBE], ctx.log("megatron_probe.log"), ctx.timeout(120),
+                                env=ctx.env())
     imports = last_json(text) if rc == 0 else {"error": text[-2000:]}
     recipe = gpu_recipe(ctx.work / "megatron", tiny(ctx), "gpucheck-megatron", run={"backend": "megatron"},
                         optim={"iterations": 10, "global_batch_size": 4}, checkpoint={"save_steps": 5, "merge": "never"},
@@ -117,7 +118,7 @@ def megatron_sft(ctx: Ctx) -> dict:
                         replace={"extra_args": {}})
     t0 = time.monotonic()
     sup = procs.Proc(ctx.orchestrator("run", str(recipe)), ctx.log("megatron_supervisor.log"), env=ctx.env())
-    code = sup.wait(min(200.0, max(ctx.left_s() - 10, 30.0)))
+    code = sup.wait(ctx.timeout(200))
     if code is None:
         code = sup.stop(signal.SIGTERM, 30)
     history = cli_json(ctx, "megatron_history.log", "history", str(recipe))

@@ -73,36 +73,52 @@ def fla_inputs(torch, tokens: int, heads: int, dim: int):
     return q, k, v, g, beta
 
 
-def fla(tokens: int, heads: int, dim: int) -> None:
+def fla(tokens: int, heads: int, dim: int, tries: int = 6) -> None:
     """Forward + backward once uncapped (peaks measured), then capped between the forward's peak and the
-    backward's, so that the backward runs out inside fla/ops/."""
+    backward's (a bisection: a forward that runs out raises the cap, a backward that fits lowers it), so
+    that the backward runs out inside fla/ops/. Only that OOM is left uncaught."""
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    def once() -> tuple[float, float]:
+    def forward():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        q, k, v, g, beta = fla_inputs(torch, tokens, heads, dim)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+        inputs = fla_inputs(torch, tokens, heads, dim)
+        o, _ = chunk_gated_delta_rule(*inputs)
         torch.cuda.synchronize()
-        fwd = torch.cuda.max_memory_allocated()
+        return inputs, o, torch.cuda.max_memory_reserved()
+
+    def backward(inputs, o) -> float:
         o.float().sum().backward()
         torch.cuda.synchronize()
-        ok = all(torch.isfinite(t.grad).all() for t in (q, k, v, g, beta))
-        print(json.dumps({"tokens": tokens, "fwd_peak_gib": fwd / GIB,
-                          "bwd_peak_gib": torch.cuda.max_memory_allocated() / GIB, "grads_finite": bool(ok)}),
-              flush=True)
-        return fwd, torch.cuda.max_memory_allocated()
+        finite = all(bool(torch.isfinite(t.grad).all()) for t in inputs)
+        print(json.dumps({"tokens": tokens, "bwd_peak_gib": torch.cuda.max_memory_reserved() / GIB,
+                          "grads_finite": finite}), flush=True)
+        return torch.cuda.max_memory_reserved()
 
     t0 = time.time()
-    fwd, bwd = once()   # compiles the Triton kernels, measures the two peaks
-    print(f"uncapped forward + backward in {time.time() - t0:.1f} s (kernel compilation included)", flush=True)
-    cap = (fwd + bwd) / 2
-    total = torch.cuda.mem_get_info()[1]
-    torch.cuda.set_per_process_memory_fraction(cap / total)
-    print(f"capped at {cap / GIB:.3f} GiB, between the forward's peak and the backward's", flush=True)
-    once()
-    print(f"no OOM: forward + backward fit under {cap / GIB:.3f} GiB")
+    inputs, o, fwd = forward()   # compiles the Triton kernels, measures the two peaks
+    bwd = backward(inputs, o)
+    del inputs, o
+    print(f"uncapped forward + backward in {time.time() - t0:.1f} s (kernel compilation included): "
+          f"forward peak {fwd / GIB:.3f} GiB, backward peak {bwd / GIB:.3f} GiB", flush=True)
+    total, lo, hi = torch.cuda.mem_get_info()[1], 0.0, 1.0
+    for _ in range(tries):
+        f = (lo + hi) / 2
+        cap = fwd + f * (bwd - fwd)
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        print(f"capped at {cap / GIB:.3f} GiB ({f:.2f} of the way from the forward's peak to the backward's)", flush=True)
+        try:
+            inputs, o, _ = forward()
+        except torch.OutOfMemoryError:
+            print("the forward ran out: raising the cap", flush=True)
+            lo = f
+            continue
+        backward(inputs, o)   # runs out here, uncaught: the trainer's traceback
+        del inputs, o
+        print("the backward fit: lowering the cap", flush=True)
+        hi = f
+    print(f"no OOM: no cap between the two peaks made the backward run out in {tries} tries")
 
 
 def main() -> None:
