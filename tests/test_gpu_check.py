@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 import gpucheck
 import gpucheck_nvml as nvml
 import gpucheck_procs as procs
-from gpucheck_base import Ctx, Failed, Skip, Step
+from gpucheck_base import Ctx, Failed, Skip, Step, last_json
 from gpucheck_recipe import GPU_SETS, gpu_recipe
 
 from orchestrator.config.recipe import load
@@ -144,6 +144,21 @@ APPS = [{"pid": "4242", "gpu_uuid": "GPU-1", "used_memory": "8000"}]
 ])
 def test_differences_between_the_nvml_reader_and_nvidia_smi(reading, apps, want):
     assert nvml.differences(reading, SMI, apps) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ('$ orchestrator classify x --json\n{"class": "other"}\n\n[exit 0]\n', {"class": "other"}),
+    ('$ orchestrator history r.toml --json\n{\n  "run": "r",\n  "attempts": [\n    {"n": 1}\n  ]\n}\n[exit 0]\n',
+     {"run": "r", "attempts": [{"n": 1}]}),
+    ('warning: {not json}\n{"a": 1}\nnoise\n{"b": 2}\n', {"b": 2}),
+])
+def test_a_commands_json_answer_is_found_among_its_output(text, want):
+    assert last_json(text) == want
+
+
+def test_no_json_answer_is_a_failure_with_the_output():
+    with pytest.raises(Failed, match="no JSON line in the output:\n\\$ orchestrator history"):
+        last_json("$ orchestrator history r.toml --json\norchestrator: error: no journal yet\n")
 
 
 def test_nvidia_smi_csv_rows():

@@ -118,13 +118,18 @@ NEEDS: dict[str, Callable[[], str | None]] = {
 
 
 def last_json(text: str) -> dict:
-    """The last line of `text` that is a JSON object (a command's --json answer among its other output)."""
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
+    """The last JSON object in `text` that starts a line (a command's --json answer among its other output,
+    on one line or indented over many)."""
+    decoder, found, pos = json.JSONDecoder(), None, 0
+    while (at := text.find("{", pos)) != -1:
+        if at == 0 or text[at - 1] == "\n":
             try:
-                return json.loads(line)
-            except ValueError:
+                found, end = decoder.raw_decode(text, at)
+                pos = end
                 continue
-    raise Failed(f"no JSON line in the output:\n{text}")
-
-
+            except ValueError:
+                pass
+        pos = at + 1
+    if not isinstance(found, dict):
+        raise Failed(f"no JSON line in the output:\n{text}")
+    return found

@@ -55,6 +55,11 @@ def swift_sft_resume(ctx: Ctx) -> dict:
         rc, text = procs.run_logged(ctx.orchestrator("demo", "--workdir", str(t), "--crash-at", str(CRASH_AT), *sets),
                                     ctx.log("swift_sft_resume.log"), ctx.timeout(360, floor_s=60),
                                     env=ctx.env())
+    return judge_swift_run(ctx, t, rc, text, gpu_seen.pids, gpu_seen.peak_mib)
+
+
+def judge_swift_run(ctx: Ctx, t, rc: int, text: str, gpu_pids: set[int], peak_mib: int) -> dict:
+    """Read what the demo run left (history, status, verify of the newest checkpoint) and judge it."""
     recipe = str(t / "demo-cpu.toml")
     history = cli_json(ctx, "swift_history.log", "history", recipe)
     status = cli_json(ctx, "swift_status.log", "status", recipe)
@@ -64,7 +69,7 @@ def swift_sft_resume(ctx: Ctx) -> dict:
     result = {"exit_code": rc, "attempts": history["attempts"], "state": status.get("state"),
               "step": status.get("step"), "max_steps": status.get("max_steps"), "goodput": history.get("goodput"),
               "last_checkpoint": status.get("last_checkpoint"), "verify": verified,
-              "gpu_pids_seen": sorted(gpu_seen.pids), "gpu_peak_used_mib": gpu_seen.peak_mib}
+              "gpu_pids_seen": sorted(gpu_pids), "gpu_peak_used_mib": peak_mib}
     found = []
     if rc != 0:
         found.append(f"orchestrator demo exited {rc}")
@@ -76,7 +81,7 @@ def swift_sft_resume(ctx: Ctx) -> dict:
         found.append(f"ended at step {status.get('step')} of {status.get('max_steps')}")
     if not verified or not verified.get("ok"):
         found.append(f"the newest checkpoint did not verify: {verified}")
-    if not gpu_seen.pids:
+    if not gpu_pids:
         found.append("no process was ever seen on GPU 0: the trainer did not use the GPU")
     if found:
         raise Failed("\n".join(found) + f"\n{text[-3000:]}", result)
@@ -121,7 +126,10 @@ def megatron_sft(ctx: Ctx) -> dict:
     code = sup.wait(ctx.timeout(200))
     if code is None:
         code = sup.stop(signal.SIGTERM, 30)
-    history = cli_json(ctx, "megatron_history.log", "history", str(recipe))
+    try:
+        history = cli_json(ctx, "megatron_history.log", "history", str(recipe))
+    except Failed:   # no journal: it stopped before PREFLIGHT opened one (its output says why)
+        history = {"attempts": [], "state": None}
     attempts = history["attempts"]
     result = {"imports": imports, "supervisor_exit": code, "seconds": round(time.monotonic() - t0, 1),
               "attempts": attempts, "state": history.get("state")}
