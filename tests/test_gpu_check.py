@@ -183,6 +183,7 @@ IDLE = {"default": {"gpus": 1, "used_mib": 0, "pids": []}}
 def standin(tmp_path, monkeypatch):
     """One stand-in GPU (the orchestrator's ORCHESTRATOR_GPU_STANDIN seam); the holders hold it in that file
     and, like the driver, the file frees it once the holder is dead. The trainer is a sleeper."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}   # a session's servers stay
     path = tmp_path / "standin.json"
     path.write_text(json.dumps(IDLE))
     monkeypatch.setenv("ORCHESTRATOR_GPU_STANDIN", str(path))
@@ -214,8 +215,12 @@ def standin(tmp_path, monkeypatch):
     ctx.logs.mkdir(parents=True)
     ctx.cache["tiny"] = tiny
     yield ctx
-    for p in psutil.Process().children(recursive=True):   # nothing left running
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    pids = [p.pid for p in left]
+    for p in left:   # the steps stop what they start: anything left is a bug, killed here and reported
         p.kill()
+    assert not pids, f"the step left processes running: {pids}"
 
 
 def test_a_foreign_holder_keeps_orchestrator_run_from_launching_and_the_refusal_names_it(standin):
