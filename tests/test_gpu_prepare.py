@@ -144,7 +144,7 @@ def repo(tmp_path, monkeypatch):
 def test_check_prints_the_run_call_with_the_carry_list(repo, capsys):
     assert prepare.main(["--check", "--dest", str(repo / ".gpu-wheels"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["run"] == {"command": "bash bench/gpu/check.sh", "carry": [".gpu-wheels"], "timeout_s": 570}
+    assert out["run"] == {"command": "bash bench/gpu/check.sh", "carry": [".gpu-wheels"], "timeout_s": 600}
     assert out["wheels"] == ["pydantic-2.14.3-py3-none-any.whl"]
     assert out["size"]["tree_bytes"] == 1000 + len("/.gpu-wheels/\n")    # the ignored wheels are not the tree
     assert out["size"]["ok"] and out["size"]["total_bytes"] > MIB

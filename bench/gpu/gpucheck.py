@@ -1,7 +1,7 @@
 """The GPU check's runner: the steps in order, most valuable first, each recorded in $OUT/summary.json as
 "ran", "skipped: why" or "failed: output", with its raw logs in $OUT/logs.tar.gz.
 
-    python3 bench/gpu/gpucheck.py --out DIR [--work DIR] [--budget-s 480] [--only NAME ...]
+    python3 bench/gpu/gpucheck.py --out DIR [--work DIR] [--budget-s 420] [--only NAME ...]
 
 bench/gpu/check.sh is the entry on the device (it installs the carried wheels first). A step that needs
 what is not there (a CUDA device, ms-swift, fla, megatron-core) is skipped with the reason; so is one that
@@ -100,6 +100,7 @@ def run_all(steps: list[Step], ctx: Ctx, say=print) -> dict:
             summary["device"] = row["result"].get("device")
         summary["counts"] = counts(summary["steps"])
         write_json(ctx.out / SUMMARY, summary)
+        pack_logs(ctx.logs, ctx.out / LOGS_TAR)   # after every step: a call cut off still returns them
         say(f"    {row['status'].splitlines()[0][:160]} ({row['seconds']:.1f} s)")
     summary["ended_at"] = time.time()
     write_json(ctx.out / SUMMARY, summary)
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/gpu/gpucheck.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="where summary.json and logs.tar.gz go ($OUT)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-check"), help="scratch (models, runs, logs)")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="the whole check's time (default %(default)s)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="the whole check's time (default %(default)s)")
     ap.add_argument("--only", action="append", help="run only these steps (repeatable)")
     a = ap.parse_args(argv)
     ctx = Ctx(out=a.out.resolve(), work=a.work.resolve(), budget_s=a.budget_s)

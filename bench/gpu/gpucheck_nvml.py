@@ -242,7 +242,7 @@ def oom_after_steps(ctx: Ctx) -> dict:
 
 def cli_json(ctx: Ctx, log: str, *args: str) -> dict:
     """Run an orchestrator command that answers with --json; its answer."""
-    rc, text = procs.run_logged(ctx.orchestrator(*args, "--json"), ctx.log(log), 120, env=ctx.env())
+    rc, text = procs.run_logged(ctx.orchestrator(*args, "--json"), ctx.log(log), ctx.timeout(120), env=ctx.env())
     if rc not in (0, 2):
         raise Failed(f"orchestrator {' '.join(args)} exited {rc}:\n{text}")
     return last_json(text)
