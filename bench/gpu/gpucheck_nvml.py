@@ -22,12 +22,24 @@ CLEAR_POLL_S = 0.01
 
 
 def snapshot_dict(snap) -> dict:
-    """A GpuSnapshot as JSON-ready data (MiB)."""
+    """A GpuSnapshot as JSON-ready data: MiB to compare, bytes to rebuild it exactly (snapshot_of)."""
     return {"error": snap.error, "gpus": [
         {"index": g.index, "name": g.name, "uuid": g.uuid, "total_mib": g.memory_total_bytes // MIB,
-         "used_mib": g.memory_used_bytes // MIB,
-         "processes": [{"pid": p.pid, "used_mib": (p.used_bytes or 0) // MIB} for p in g.processes]}
+         "used_mib": g.memory_used_bytes // MIB, "total_bytes": g.memory_total_bytes,
+         "used_bytes": g.memory_used_bytes,
+         "processes": [{"pid": p.pid, "used_mib": (p.used_bytes or 0) // MIB, "used_bytes": p.used_bytes}
+                       for p in g.processes]}
         for g in snap.gpus]}
+
+
+def snapshot_of(data: dict):
+    """The GpuSnapshot that snapshot_dict() wrote (a recorded reading replayed on CPU)."""
+    from orchestrator.types import GpuInfo, GpuProcess, GpuSnapshot
+
+    return GpuSnapshot(error=data["error"], gpus=tuple(
+        GpuInfo(g["index"], g["name"], g["total_bytes"], g["used_bytes"],
+                tuple(GpuProcess(p["pid"], p["used_bytes"]) for p in g["processes"]), g["uuid"])
+        for g in data["gpus"]))
 
 
 def differences(nvml: dict, smi: list[dict], apps: list[dict]) -> list[str]:

@@ -65,7 +65,7 @@ def fla_inputs(torch, tokens: int, heads: int, dim: int):
         return t.detach().requires_grad_()
 
     shape = (1, tokens, heads, dim)
-    q = leaf(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+    q = leaf(F.normalize(torch.randn(shape, device="cuda", dtype=torch.float32), p=2, dim=-1).to(torch.bfloat16))
     k = leaf(F.normalize(torch.randn(shape, device="cuda", dtype=torch.float32), p=2, dim=-1).to(torch.bfloat16))
     v = leaf(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
     g = leaf(F.logsigmoid(torch.rand(1, tokens, heads, device="cuda", dtype=torch.float32)))
