@@ -96,6 +96,12 @@ def test_a_step_ends_as_ran_skipped_with_why_or_failed_with_output(tmp_path, run
     assert row["result"] == ({"x": 1} if want == "ran" else {"a": 1} if want.startswith("failed") else {})
 
 
+def test_a_long_failure_keeps_its_first_line_and_its_tail():
+    status = gpucheck.status_of("failed", "no launch after the holder was killed:\n" + "x" * 5000 + "\nthe end")
+    assert status.startswith("failed: no launch after the holder was killed:\n[...]\n")
+    assert status.endswith("x\nthe end") and len(status) <= gpucheck.OUTPUT_TAIL + 20
+
+
 def test_a_step_that_raises_fails_with_its_traceback_and_the_check_goes_on(tmp_path):
     def broken(ctx):
         raise KeyError("gpus")

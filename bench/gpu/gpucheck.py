@@ -39,8 +39,15 @@ PACKAGES = ("torch", "triton", "transformers", "peft", "accelerate", "trl", "dat
 # ------------------------------------------------------------------------------------------ the runner
 
 def status_of(outcome: str, detail: str = "") -> str:
-    """The step's status string: "ran", "skipped: why" or "failed: output"."""
-    return outcome if outcome == "ran" else f"{outcome}: {detail.strip()[-OUTPUT_TAIL:] or '(no output)'}"
+    """The step's status string: "ran", "skipped: why" or "failed: output" (a long output keeps its first
+    line, the finding, and its tail)."""
+    if outcome == "ran":
+        return outcome
+    detail = detail.strip() or "(no output)"
+    if len(detail) > OUTPUT_TAIL:
+        first = detail.splitlines()[0][:300]
+        detail = f"{first}\n[...]\n{detail[-(OUTPUT_TAIL - len(first)):]}"
+    return f"{outcome}: {detail}"
 
 
 def run_step(step: Step, ctx: Ctx) -> dict:
@@ -68,6 +75,7 @@ def run_step(step: Step, ctx: Ctx) -> dict:
 
 
 def write_json(path: Path, data: dict) -> None:
+    """Write `data` to `path` whole or not at all (a call cut off mid-write leaves the previous one)."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)
@@ -75,7 +83,8 @@ def write_json(path: Path, data: dict) -> None:
 
 def pack_logs(logs: Path, dest: Path) -> None:
     """Put every log under `logs` into one tarball (the device returns 8 files at most), each log's tail."""
-    with tarfile.open(dest, "w:gz") as tar:
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
         for p in sorted(logs.rglob("*")):
             if p.is_file():
                 if p.stat().st_size > LOG_CAP_BYTES:
@@ -84,10 +93,11 @@ def pack_logs(logs: Path, dest: Path) -> None:
                         tail = f.read()
                     p.write_bytes(b"[... cut: the last %d bytes follow]\n" % LOG_CAP_BYTES + tail)
                 tar.add(p, arcname=f"logs/{p.relative_to(logs)}")
+    tmp.replace(dest)
 
 
 def run_all(steps: list[Step], ctx: Ctx, say=print) -> dict:
-    """Run `steps` in order, rewriting the summary after each; pack the logs at the end."""
+    """Run `steps` in order, rewriting the summary and the logs' tarball after each."""
     ctx.out.mkdir(parents=True, exist_ok=True)
     ctx.logs.mkdir(parents=True, exist_ok=True)
     summary: dict = {"check": "bench/gpu", "started_at": time.time(), "budget_s": ctx.budget_s,
@@ -110,6 +120,7 @@ def run_all(steps: list[Step], ctx: Ctx, say=print) -> dict:
 
 
 def counts(rows: list[dict]) -> dict[str, int]:
+    """How many steps ran, were skipped, failed."""
     out = {"ran": 0, "skipped": 0, "failed": 0}
     for r in rows:
         out[r["status"].split(":", 1)[0]] += 1
