@@ -12,11 +12,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from orchestrator import preflight
-from orchestrator.preflight import GIB
 from orchestrator.config.recipe import RecipeError, semantic_view
 from orchestrator.domain import policy, storage
-from orchestrator.host.journal import Journal, journal_path
+from orchestrator.host.journal import journal_path
+from orchestrator.host.journal_health import open_journal
+from orchestrator.preflight import GIB
 from orchestrator.save_interval import SaveIntervals
+from orchestrator.store.journal_rebuild import rebuild_journal
 from orchestrator.store.published import PublishLock
 from orchestrator.store.publisher import Publisher
 from orchestrator.store.rundir import RunLock, place, run_id, state_dir
@@ -36,7 +38,8 @@ class RunLifecycle:
         lock = RunLock(self.out)
         lock.acquire()  # raises when another supervisor runs this directory
         self.lock = lock
-        self.journal = Journal(journal_path(self.state_dir), echo=self.echo, clock=self.host.now)
+        self.journal, damaged = open_journal(journal_path(self.state_dir), echo=self.echo, clock=self.host.now)
+        rebuilt = rebuild_journal(self.journal, damaged, r, self.hash, self.out, self.state_dir) if damaged else None
         self.publish_lock = PublishLock(r.run.persistent_dir, r.run.name, self.hash, self.out)
         self.publish_lock.acquire()  # raises when another supervisor publishes into this run's directory
         if placement.note:
@@ -54,7 +57,8 @@ class RunLifecycle:
         if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
             self._quarantine(pending["step"], pending["attempt"])
         earlier = self.journal.attempts()
-        self.attempts_before = earlier[-1].n if earlier else 0  # attempt numbers continue the journal's
+        # attempt numbers continue the journal's (a replaced journal's: after the attempt logs on disk)
+        self.attempts_before = max(earlier[-1].n if earlier else 0, rebuilt.attempts_logged if rebuilt else 0)
         self.history = policy.rebuild_history(earlier, {c["step"] for c in self.journal.checkpoints() if c["ok"]})
         budget, _ = preflight.storage_budget(r)
         self.keep_local, self.save_gib = budget.keep_local, sum(budget.per_save_bytes.values()) / GIB
@@ -94,7 +98,8 @@ class RunLifecycle:
     def _shutdown(self) -> None:
         if not self.sidecar:  # pre-flight did not finish (nothing ran), or already shut down
             if self.lock:
-                self.journal.close()
+                if self.journal:  # None when the journal could not be opened or moved aside
+                    self.journal.close()
                 self.lock.release()
                 if self.publish_lock:
                     self.publish_lock.release()
