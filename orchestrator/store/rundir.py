@@ -98,8 +98,15 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Hold the lock until release(); RecipeError (exit 2) when another supervisor holds it, or when the
+        lock cannot be opened at all (without it two supervisors could run one directory)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RecipeError(f"{self.path}: cannot open the run lock ({e.strerror or e}); check that "
+                              f"{self.path.parent} is a writable directory and {self.path.name} a plain file "
+                              f"(delete it if not: it only holds the supervisor's pid)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
