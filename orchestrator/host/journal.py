@@ -51,15 +51,16 @@ def _add_columns(db: sqlite3.Connection) -> None:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
 
-def _reader(path: Path) -> sqlite3.Connection:
+def _reader(path: Path, never_write: bool = False) -> sqlite3.Connection:
     """A reader for status/history. A WAL reader needs the -shm file, which a strictly read-only
     connection cannot create after the writer closed; so open read-write but query-only, fall back to
     read-only where the file is not ours to write, and to immutable where the directory is not either
-    (a read-only filesystem: nothing writes the journal there)."""
+    (a read-only filesystem: nothing writes the journal there). `never_write`: read-only from the start, so
+    closing it never folds the WAL into the file (a damaged journal is examined as it is)."""
     if not path.exists():
         raise FileNotFoundError(path)
     last: sqlite3.OperationalError | None = None
-    for uri in (None, f"file:{path}?mode=ro", f"file:{path}?mode=ro&immutable=1"):
+    for uri in (None, f"file:{path}?mode=ro", f"file:{path}?mode=ro&immutable=1")[1 if never_write else 0:]:
         db = sqlite3.connect(uri or path, uri=uri is not None, timeout=LOCK_WAIT_S, check_same_thread=False)
         try:
             if uri is None:
@@ -83,11 +84,11 @@ def disk_error(e: sqlite3.OperationalError) -> bool:
 
 # SQLite's messages for a write the journal's place refused, and what each means for a person. Any other
 # error is the journal's content (journal_health.diagnose tells which).
-HOLD_REASONS = (("full", "the disk is full"), ("disk i/o", "a disk I/O error"),
+DISK_FULL, DISK_IO, LOCKED = "the disk is full", "a disk I/O error", "another process holds the journal's write lock"
+HOLD_REASONS = (("full", DISK_FULL), ("disk i/o", DISK_IO),
                 ("readonly", "the journal is read-only"), ("read-only", "the journal is read-only"),
                 ("unable to open", "the journal or its directory cannot be written"),
-                ("locked", "another process holds the journal's write lock"),
-                ("busy", "another process holds the journal's write lock"))
+                ("locked", LOCKED), ("busy", LOCKED))
 LOCK_WAIT_S = 10.0       # the bounded wait for another process's write lock
 HOLD_RETRY_S = 5.0       # while held for a lock or a read-only journal: how often a write is tried again
 RETRY_LOCK_WAIT_S = 0.2  # ... and how long that try waits for the lock (the loop must not stall)
@@ -141,8 +142,10 @@ def journal_path(state_dir: Path) -> Path:
 
 
 class Journal:
-    def __init__(self, path: Path, readonly: bool = False, echo=None, clock=time.time, monotonic=time.monotonic):
-        """Open the journal at `path`: a reader (`readonly`, for status/history), else the supervisor's writer,
+    def __init__(self, path: Path, readonly: bool = False, echo=None, clock=time.time, monotonic=time.monotonic,
+                 never_write: bool = False):
+        """Open the journal at `path`: a reader (`readonly`, for status/history; `never_write`: one that never
+        touches the file, for examining a damaged one), else the supervisor's writer,
         created with its schema when missing. A writer whose place refuses writes (read-only, locked) opens
         as a reader and holds its writes until they can be made; sqlite3.DatabaseError when the file is not
         a journal (journal_health.open_journal moves such a one aside)."""
@@ -153,7 +156,7 @@ class Journal:
         self.retry_at = float("-inf")         # monotonic: when a held journal is tried again
         self.reopen = False                   # the connection is a reader: a write needs a new writer first
         if readonly:
-            self.db = _reader(path)
+            self.db = _reader(path, never_write)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -187,9 +190,11 @@ class Journal:
     def _hold(self, why: str) -> None:
         """Writes are refused for `why`: said once per episode (on the console, and in the journal once it
         takes writes again); a lock or a read-only journal is tried again only every HOLD_RETRY_S."""
-        if why not in ("the disk is full", "a disk I/O error"):
+        if why not in (DISK_FULL, DISK_IO):
             self.retry_at = self.monotonic() + HOLD_RETRY_S
             self.db.execute(f"PRAGMA busy_timeout = {int(RETRY_LOCK_WAIT_S * 1000)}")
+        if why not in (DISK_FULL, DISK_IO, LOCKED):  # SQLite opened it read-only: only a new connection writes
+            self.reopen = True
         if self.held_reason is None:
             self.held_reason = why
             self.event("journal_held", f"{self.path}: {why}: journal writes are held in memory until it can be "

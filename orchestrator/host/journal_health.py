@@ -58,11 +58,13 @@ def _layout_problem(db: sqlite3.Connection) -> str | None:
         return f"damaged pages ({'; '.join(check)})"
     kinds = dict(db.execute("SELECT name, type FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'").fetchall())
     expected = _journal_columns()
-    if kinds and not set(kinds) & set(expected):
+    if not kinds:
+        return "an empty database (no tables)"
+    if not set(kinds) & set(expected):
         return f"not an orchestrator journal (it holds {', '.join(sorted(kinds))})"
+    if missing_tables := sorted(set(expected) - set(kinds)):  # every release wrote all of them
+        return f"malformed: no table {', '.join(missing_tables)}"
     for table, columns in expected.items():
-        if table not in kinds:
-            continue  # an older journal: the writer adds the table
         if kinds[table] != "table":
             return f"malformed: {table} is a {kinds[table]}, not a table"
         have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
@@ -81,7 +83,7 @@ def diagnose(path: Path) -> str | None:
     except FileNotFoundError:
         return None
     try:
-        j = Journal(path, readonly=True)
+        j = Journal(path, readonly=True, never_write=True)
     except sqlite3.DatabaseError as e:
         return None if hold_reason(e) else str(e)
     try:
