@@ -102,6 +102,11 @@ def hold_reason(e: sqlite3.Error) -> str | None:
     return next((why for key, why in HOLD_REASONS if key in msg), None)
 
 
+def damaged_while_open(e: sqlite3.DatabaseError) -> str:
+    """The hold reason for a journal that SQLite finds damaged after the supervisor opened it."""
+    return f"the journal was damaged while open ({e}): the next start moves it aside"
+
+
 def _open_writer(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, timeout=LOCK_WAIT_S, check_same_thread=False, isolation_level=None)
     try:
@@ -149,7 +154,7 @@ class Journal:
         created with its schema when missing. A writer whose place refuses writes (read-only, locked) opens
         as a reader and holds its writes until they can be made; sqlite3.DatabaseError when the file is not
         a journal (journal_health.open_journal moves such a one aside)."""
-        self.path, self.clock, self.monotonic = path, clock, monotonic
+        self.path, self.clock, self.monotonic, self.readonly = path, clock, monotonic, readonly
         self.echo = echo  # called with each event line (the supervisor's console narration)
         self.held: list[tuple[str, Any, bool]] = []  # writes the journal's place refused, in order
         self.held_reason: str | None = None   # why, while writes are held
@@ -193,7 +198,7 @@ class Journal:
         if why not in (DISK_FULL, DISK_IO):
             self.retry_at = self.monotonic() + HOLD_RETRY_S
             self.db.execute(f"PRAGMA busy_timeout = {int(RETRY_LOCK_WAIT_S * 1000)}")
-        if why not in (DISK_FULL, DISK_IO, LOCKED):  # SQLite opened it read-only: only a new connection writes
+        if why not in (DISK_FULL, DISK_IO, LOCKED):  # read-only or damaged: only a new connection writes
             self.reopen = True
         if self.held_reason is None:
             self.held_reason = why
@@ -210,8 +215,8 @@ class Journal:
         if self.reopen:
             try:
                 db = _open_writer(self.path)
-            except sqlite3.OperationalError as e:
-                self._hold(hold_reason(e) or str(e))
+            except sqlite3.DatabaseError as e:
+                self._hold(hold_reason(e) or damaged_while_open(e))
                 return False
             db.row_factory = sqlite3.Row
             self.db.close()
@@ -220,9 +225,9 @@ class Journal:
             sql, params, many = self.held[0]
             try:
                 (self.db.executemany if many else self.db.execute)(sql, params)
-            except sqlite3.OperationalError as e:
-                why = hold_reason(e)
-                if why is None:
+            except sqlite3.DatabaseError as e:
+                why = hold_reason(e) or (None if isinstance(e, sqlite3.OperationalError) else damaged_while_open(e))
+                if why is None:  # a statement of ours SQLite rejects: a bug, not the journal's place
                     raise
                 self._hold(why)
                 return False
@@ -233,6 +238,18 @@ class Journal:
             if self.echo:
                 self.echo(f"journal: {self.path} takes writes again ({was} no more): the held writes are recorded")
         return True
+
+    def _rows(self, sql: str, params=()) -> list[sqlite3.Row]:
+        """A query's rows. The supervisor's journal damaged while open (overwritten, truncated) reads as empty,
+        its writes held: the run goes on, and its next start moves the file aside. Readers raise (diagnose)."""
+        try:
+            return self.db.execute(sql, params).fetchall()
+        except sqlite3.DatabaseError as e:
+            why = hold_reason(e) or (None if isinstance(e, sqlite3.OperationalError) else damaged_while_open(e))
+            if self.readonly or why is None:
+                raise
+            self._hold(why)
+            return []
 
     # --- attempts
     def record_attempt(self, a: Attempt) -> None:
@@ -246,7 +263,7 @@ class Journal:
 
     def attempts(self) -> list[Attempt]:
         out = []
-        for r in self.db.execute("SELECT * FROM attempts ORDER BY n"):
+        for r in self._rows("SELECT * FROM attempts ORDER BY n"):
             # a reader: older columns only (`in r` would test a Row's values, not its keys)
             d = {f.name: r[f.name] for f in fields(Attempt) if f.name in r.keys()}  # noqa: SIM118
             d["evidence"] = tuple(json.loads(d["evidence"] or "[]"))
@@ -268,7 +285,7 @@ class Journal:
             self.echo(f"{time.strftime('%H:%M:%S', time.localtime(now))} {kind}: {message}")
 
     def events(self, limit: int = 50) -> list[dict]:
-        rows = self.db.execute("SELECT at, kind, message, data FROM events ORDER BY id DESC LIMIT ?", (limit,))
+        rows = self._rows("SELECT at, kind, message, data FROM events ORDER BY id DESC LIMIT ?", (limit,))
         return [{"at": r["at"], "kind": r["kind"], "message": r["message"], "data": json.loads(r["data"])}
                 for r in rows][::-1]
 
@@ -288,14 +305,14 @@ class Journal:
 
     def checkpoints(self) -> list[dict]:
         return [dict(r) | {"problems": json.loads(r["problems"])}
-                for r in self.db.execute("SELECT * FROM checkpoints ORDER BY step")]
+                for r in self._rows("SELECT * FROM checkpoints ORDER BY step")]
 
     # --- time between attempts (cleanup, verify, wait, backoff), for goodput
     def span(self, start: float, end: float, kind: str) -> None:
         self._write("INSERT INTO spans (start, end, kind) VALUES (?, ?, ?)", (start, end, kind))
 
     def spans(self) -> list[tuple[float, float, str]]:
-        return [tuple(r) for r in self.db.execute("SELECT start, end, kind FROM spans ORDER BY start")]
+        return [tuple(r) for r in self._rows("SELECT start, end, kind FROM spans ORDER BY start")]
 
     # --- live status
     def put(self, **values) -> None:
@@ -304,7 +321,7 @@ class Journal:
 
     def get_all(self) -> dict:
         """The live status: the kv table, with the values of held writes on top (what the supervisor last put)."""
-        kv = {r["key"]: json.loads(r["value"]) for r in self.db.execute("SELECT key, value FROM kv")}
+        kv = {r["key"]: json.loads(r["value"]) for r in self._rows("SELECT key, value FROM kv")}
         for sql, params, many in self.held:
             if many and sql.startswith("INSERT OR REPLACE INTO kv"):
                 kv.update((k, json.loads(v)) for k, v in params)
