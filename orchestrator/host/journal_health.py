@@ -133,7 +133,10 @@ def open_journal(path: Path, echo=None, clock=time.time) -> tuple[Journal, Journ
     if problem is None:
         try:
             return Journal(path, echo=echo, clock=clock), None
-        except sqlite3.DatabaseError as e:  # found by the writer only (hold reasons never reach here)
-            problem = str(e)
+        except sqlite3.DatabaseError as e:
+            if hold_reason(e):  # not even a reader opens: its place, not its content (never moved for that)
+                raise RecipeError(f"{path}: cannot be opened ({e}); check the permissions and the mount of "
+                                  f"{path.parent}") from None
+            problem = str(e)  # damage only the writer finds
     moved = move_aside(path, clock())
     return Journal(path, echo=echo, clock=clock), JournalDamage(path, moved, problem)
