@@ -219,3 +219,18 @@ def test_a_read_only_journal_holds_writes_and_records_them_once_writable(read_on
         assert json.dumps(r.get_all()["state"]) == '"held"'
     finally:
         r.close()
+
+
+def test_the_end_of_run_summary_of_a_damaged_journal_is_one_line(write_recipe):
+    """`run` prints a summary when it ends: a journal damaged while the supervisor had it open must not turn the
+    end of a finished run into a traceback."""
+    from orchestrator.config.recipe import load
+    from orchestrator.ops.report import summary
+    from orchestrator.store.rundir import state_dir
+
+    r = load(write_recipe())
+    path = J.journal_path(state_dir(r.run.output_dir))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(os.urandom(4096))
+    line = summary(r)
+    assert line.startswith("summary: not available:") and "moves it aside" in line and "\n" not in line
