@@ -234,3 +234,67 @@ def test_the_end_of_run_summary_of_a_damaged_journal_is_one_line(write_recipe):
     path.write_bytes(os.urandom(4096))
     line = summary(r)
     assert line.startswith("summary: not available:") and "moves it aside" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("manifest_hash,drifted", [("h" * 64, False), ("f" * 64, True), (None, False)],
+                         ids=["newest manifest: this recipe", "newest manifest: another recipe", "no manifest"])
+def test_drift_is_still_seen_when_the_journal_is_damaged(tmp_path, manifest_hash, drifted):
+    """The hash a damaged journal recorded is gone; the newest checkpoint manifest in the run dir says it."""
+    from orchestrator.store.manifest import MANIFEST
+    from orchestrator.store.rundir import place, state_dir
+
+    out = tmp_path / "out"
+    for step, h in ((10, "h" * 64), (20, manifest_hash)):
+        d = out / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        if h:
+            (d / MANIFEST).write_text(json.dumps({"step": step, "recipe_hash": h, "files": []}))
+    path = J.journal_path(state_dir(out))
+    path.parent.mkdir()
+    path.write_bytes(b"\x00garbage" * 100)
+    p = place(out, "h" * 64, {}, "fresh")
+    assert (p.output_dir != out) is drifted
+    if drifted:
+        assert p.output_dir.name == f"out-{'h' * 8}" and "unknown keys" in p.note
+
+
+def test_rebuild_writes_back_what_the_disk_tells(tmp_path, write_recipe):
+    """Local checkpoints of this hash (not another's, not one whose files changed after its manifest), published
+    copies (one only published now, retention having deleted it locally; a merged copy) and the attempt logs."""
+    from orchestrator.config.recipe import load
+    from orchestrator.host.journal_health import JournalDamage
+    from orchestrator.store.journal_rebuild import rebuild_journal
+    from orchestrator.store.manifest import write_manifest
+    from orchestrator.store.published import publish_dir
+    from orchestrator.store.rundir import state_dir
+
+    r = load(write_recipe(run={"persistent_dir": "persist"}))
+    h, out = "h" * 64, Path(r.run.output_dir)
+    for step, owner in ((10, h), (20, h), (30, "f" * 64), (40, h)):
+        d = out / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        (d / "weights.bin").write_bytes(b"w" * step)
+        write_manifest(d, step, owner, loss=step / 100)
+    (out / "checkpoint-40" / "weights.bin").write_bytes(b"changed after its manifest")
+    pub = publish_dir(r.run.persistent_dir, r.run.name, h)
+    for name in ("checkpoint-5", "checkpoint-20", "checkpoint-20-merged"):
+        (pub / name).mkdir(parents=True)
+        write_manifest(pub / name, int(name.split("-")[1]), h)
+    logs = state_dir(out) / "attempts"
+    logs.mkdir(parents=True)
+    for n in (1, 2, 7):
+        (logs / f"attempt-{n:04d}.log").write_text("...")
+    j = Journal(tmp_path / "new.sqlite")
+    try:
+        damage = JournalDamage(tmp_path / "journal.sqlite", tmp_path / "journal.sqlite.damaged-x", "zero bytes")
+        rebuilt = rebuild_journal(j, damage, r, h, out, state_dir(out))
+        assert rebuilt.local == (10, 20) and rebuilt.published == (5, 20) and rebuilt.attempts_logged == 7
+        rows = {c["step"]: c for c in j.checkpoints()}
+        assert sorted(rows) == [5, 10, 20] and all(c["ok"] and c["recipe_hash"] == h for c in rows.values())
+        assert rows[5]["synced_at"] and rows[20]["synced_at"] and not rows[10]["synced_at"]
+        assert rows[10]["loss"] == 0.1 and rows[5]["path"] == str(pub / "checkpoint-5")
+        assert j.get_all()["merged_synced"] == [20]
+        (event,) = [e for e in j.events() if e["kind"] == "journal_replaced"]
+        assert "zero bytes" in event["message"] and "goodput before now" in event["message"]
+    finally:
+        j.close()
