@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The benchmark's injected crashes are not this node's failure history (node_history.py): kept apart.
 os.environ.setdefault("ORCHESTRATOR_NODE_STATE_DIR", tempfile.mkdtemp(prefix="bench-node-state-"))
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 import psutil  # noqa: E402
 
 from orchestrator.host.launch import local as launcher  # noqa: E402
@@ -211,7 +211,7 @@ def run(quick: bool = False, steps: int | None = None, seed: int = 13, workdir: 
     work = Path(workdir or tempfile.mkdtemp(prefix="bench-side-"))
     if quick:
         model = {"model": str(work / "model"), "data": str(work / "data.jsonl")}
-        from conftest import make_model  # a config.json-only model directory: the fake trainer loads nothing
+        from recipes import make_model  # a config.json-only model directory: the fake trainer loads nothing
         make_model(Path(model["model"]))
         Path(model["data"]).write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     else:

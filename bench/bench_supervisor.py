@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The benchmark's injected crashes are not this node's failure history (node_history.py): kept apart.
 os.environ.setdefault("ORCHESTRATOR_NODE_STATE_DIR", tempfile.mkdtemp(prefix="bench-node-state-"))
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 import psutil  # noqa: E402
 
 from orchestrator.domain import policy  # noqa: E402

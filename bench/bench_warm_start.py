@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from orchestrator.host import pagecache  # noqa: E402
 from orchestrator.host.launch import local as launcher
@@ -78,7 +78,7 @@ def run(quick: bool = False, repeat: int = 2, workdir: str | None = None) -> lis
     repeat = 1 if quick else repeat
     try:
         if quick:
-            from conftest import make_model
+            from recipes import make_model
             model = {"model": str(work / "model"), "data": str(work / "data.jsonl")}
             make_model(Path(model["model"]))
             (Path(model["model"]) / "model.safetensors").write_bytes(os.urandom(1 << 20))

@@ -7,7 +7,7 @@ One small JSON file, `node.json`, in the node state directory:
   {"runs": {"<run id>": {"failures": 3, "hours": 41.5, "updated_at": 1.7e9}}}
 Each supervisor rewrites its own run's entry at every launch (the totals from its journal: idempotent),
 under an flock, by rename: a kill mid-write leaves the old file. An unreadable file counts as empty
-(the history is evidence, never a reason to stop a run).
+(the history is evidence, never a reason to stop a run), and so does an entry whose numbers are not numbers.
 """
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ class NodeHistory:
         failures = hours = 0.0
         for rid, r in self._read()["runs"].items():
             if rid != run_id and isinstance(r, dict):
-                failures += float(r.get("failures", 0) or 0)
-                hours += float(r.get("hours", 0) or 0)
+                f, h = _count(r.get("failures")), _count(r.get("hours"))
+                if f is not None and h is not None:  # an entry with a non-number says nothing: left out whole
+                    failures, hours = failures + f, hours + h
         return failures, hours
 
     def record(self, run_id: str, failures: int, hours: float, now: float) -> str | None:
@@ -64,3 +65,12 @@ class NodeHistory:
         except OSError as e:
             return f"{self.path}: {e.strerror or e}"
         return None
+
+
+def _count(value: object) -> float | None:
+    """A recorded count or duration as a float (missing: 0); None when it is not a finite number >= 0."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 <= value < float("inf") else None

@@ -1,6 +1,7 @@
 """The run's context: everything PREFLIGHT opens, in one object with no optional parts, closed by the shutdown.
 
-    open_run   placement (drift), the run lock, the journal, the publish lock, the pre-flight checks, a
+    open_run   placement (drift), the run lock, the journal (a damaged one moved aside and rebuilt from the
+               disk), the publish lock, the pre-flight checks, a
                predecessor's trainers stopped, the publisher and the checkpoint tracker, a NaN quarantine the
                predecessor left pending, the policy history and save intervals rebuilt from the journal,
                metrics served, the publisher started
@@ -20,9 +21,11 @@ from orchestrator.config.recipe import Recipe, RecipeError, semantic_view
 from orchestrator.domain import policy, storage
 from orchestrator.host.base import Host
 from orchestrator.host.journal import Journal, journal_path
+from orchestrator.host.journal_health import open_journal
 from orchestrator.host.metrics import Metrics
 from orchestrator.loop import preflight
 from orchestrator.loop.save_interval import SaveIntervals
+from orchestrator.store.journal_rebuild import rebuild_journal
 from orchestrator.store.published import PublishLock
 from orchestrator.store.publisher import Publisher
 from orchestrator.store.rundir import RunLock, place, run_id, state_dir
@@ -80,8 +83,10 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
         lock = RunLock(out)
         lock.acquire()  # raises when another supervisor runs this directory
         opened.callback(lock.release)
-        journal = Journal(journal_path(state_dir(out)), echo=echo, clock=host.now)
+        # a damaged journal is moved aside and a new one rebuilt from the disk (journal_replaced)
+        journal, damaged = open_journal(journal_path(state_dir(out)), echo=echo, clock=host.now)
         opened.callback(journal.close)
+        rebuilt = rebuild_journal(journal, damaged, r, hash_, out, state_dir(out)) if damaged else None
         publish_lock = PublishLock(r.run.persistent_dir, r.run.name, hash_, out)
         publish_lock.acquire()  # raises when another supervisor publishes into this run's directory
         opened.callback(publish_lock.release)
@@ -106,7 +111,9 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
                                     (budget.step_time_s, budget.step_time_source),
                                     storage.background_bytes(r, budget.per_save_bytes)),
             history=policy.rebuild_history(earlier, {c["step"] for c in journal.checkpoints() if c["ok"]}),
-            attempts_before=earlier[-1].n if earlier else 0, keep_local=budget.keep_local, save_gib=save_gib,
+            # attempt numbers continue the journal's (a replaced journal's: after the attempt logs on disk)
+            attempts_before=max(earlier[-1].n if earlier else 0, rebuilt.attempts_logged if rebuilt else 0),
+            keep_local=budget.keep_local, save_gib=save_gib,
             metrics_port=None, completed_before=(previous.get("state") == State.COMPLETED.value
                                                  and previous.get("recipe_hash") == hash_))
         pending = previous.get("nan_pending")

@@ -6,6 +6,7 @@ takes a recipe takes `--set dotted.key=value` overrides, validated like the file
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def import_cmd(script: str, output: Path | None, variables: tuple[str, ...], for
 @click.option("--no-probe", is_flag=True, help="Skip the write-speed probe of output_dir and persistent_dir.")
 def plan(recipe: Path, overrides: tuple[str, ...], as_json: bool, no_probe: bool) -> None:
     """Validate RECIPE; print the exact command, the recipe hash, memory and storage budgets and pre-flight checks."""
-    from orchestrator.ops.plan import plan as make_plan, plan_text
+    from orchestrator.ops.plan import plan as make_plan
+    from orchestrator.ops.plan import plan_text
 
     p = make_plan(load_recipe(recipe, overrides), probe=not no_probe)
     click.echo(json.dumps(p, indent=2) if as_json else plan_text(p, recipe))
@@ -146,9 +148,10 @@ def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
 
 
 def _journal_for(recipe: Path, overrides: tuple[str, ...]):
-    from orchestrator.host.journal import Journal, journal_path
-    from orchestrator.store.rundir import place, state_dir
     from orchestrator.config.recipe import recipe_hash, semantic_view
+    from orchestrator.host.journal import Journal, journal_path
+    from orchestrator.host.journal_health import damaged_line, diagnose
+    from orchestrator.store.rundir import place, state_dir
 
     r = load_recipe(recipe, overrides)
     try:
@@ -158,7 +161,13 @@ def _journal_for(recipe: Path, overrides: tuple[str, ...]):
     path = journal_path(state_dir(out))
     if not path.exists():
         fail(f"{out}: no journal yet (has `orchestrator run {recipe}` started?)")
-    return r, Journal(path, readonly=True)
+    problem = diagnose(path)
+    if problem is not None:
+        fail(damaged_line(path, problem))
+    try:
+        return r, Journal(path, readonly=True)
+    except sqlite3.Error as e:  # its place refuses even reading (diagnose calls that no damage)
+        fail(f"{path}: cannot be read ({e}); check the file's and its directory's permissions and mount")
 
 
 @main.command()
@@ -219,22 +228,28 @@ def classify_cmd(logfile: Path, exit_code: int | None, phase: str | None, as_jso
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), help="Check LoRA rank/targets against it.")
-@click.option("--checksum", is_flag=True, help="Also compare every file's sha256 with the manifest.")
+@click.option("--checksum", is_flag=True, help="Also compare every file's sha256 with the manifest (exit 2 when "
+              "there is no usable manifest to compare with; with --recipe, its hash too).")
 @JSON
 def verify(path: Path, recipe: Path | None, checksum: bool, as_json: bool) -> None:
-    """Verify a checkpoint (directory, safetensors file, or an output dir's newest). Exit 2 if bad."""
+    """Verify a checkpoint (directory, safetensors file, or an output dir's newest). Exit 2 if bad, or when
+    --checksum cannot compare (no usable manifest: the result says why)."""
+    from orchestrator.config.recipe import recipe_hash
     from orchestrator.store.checkpoints import LoraExpect, verify_report
 
-    expect, backend = None, None
+    expect, backend, h = None, None, None
     if recipe:
         r = load_recipe(recipe, ())
         expect, backend = LoraExpect(r.lora.rank, r.lora.alpha, tuple(r.lora.target_modules)), r.run.backend
-    rep = verify_report(path, expect, checksum, backend=backend)
+        h = recipe_hash(r)
+    rep = verify_report(path, expect, checksum, backend=backend, recipe_hash=h)
     if as_json:
         click.echo(json.dumps(rep))
     else:
         what = ", ".join(x for x in (rep["kind"] and f"{rep['kind']} sft checkpoint",
-                                     rep["step"] is not None and f"step {rep['step']}") if x)
+                                     rep["step"] is not None and f"step {rep['step']}",
+                                     rep["ok"] and rep["checksums"] == "compared" and "sha256 as in its manifest")
+                        if x)
         click.echo(f"{'ok' if rep['ok'] else 'NOT OK'}: {path}" + (f" ({what})" if what else ""))
         for p in rep["problems"]:
             click.echo(f"  {p}")

@@ -7,17 +7,19 @@ in the run's real output_dir (kv "output_dir": a drifted recipe runs in <output_
 from __future__ import annotations
 
 import math
+import sqlite3
 import time
 from collections import Counter
 from pathlib import Path
 
+from orchestrator.config.recipe import Recipe
 from orchestrator.domain import goodput, progress
 from orchestrator.domain.costs import mean_save
 from orchestrator.host.journal_goodput import goodput_of
 from orchestrator.domain.verdict import NO_OOM_RECORD
 from orchestrator.host.journal import Journal, journal_path
-from orchestrator.store.published import publish_dir, published_steps as own_published_steps
-from orchestrator.config.recipe import Recipe
+from orchestrator.store.published import publish_dir
+from orchestrator.store.published import published_steps as own_published_steps
 from orchestrator.store.rundir import state_dir
 from orchestrator.types import Attempt, Progress
 
@@ -255,11 +257,15 @@ def summary(r: Recipe) -> str:
     path = journal_path(state_dir(r.run.output_dir))
     if not path.exists():
         return "no journal: nothing ran"
-    j = Journal(path, readonly=True)
     try:
-        data, kv = history_data(r, j), j.get_all()
-    finally:
-        j.close()
+        j = Journal(path, readonly=True)
+        try:
+            data, kv = history_data(r, j), j.get_all()
+        finally:
+            j.close()
+    except (sqlite3.DatabaseError, ValueError) as e:  # damaged while the supervisor had it open: the run is over
+        return (f"summary: not available: {path}: {e} (the next `orchestrator run` moves it aside and rebuilds it "
+                f"from the checkpoints on disk)")
     classes = Counter(crash_label(a) for a in data["attempts"] if a["class"])
     last_step = max((a["end_step"] or 0 for a in data["attempts"]), default=0)
     lines = [f"summary: {r.run.name} {kv.get('state')}: step {last_step}/{r.optim.iterations or '?'}, "

@@ -14,21 +14,60 @@ from pathlib import Path
 
 from orchestrator.domain import progress
 from orchestrator.domain.checkpoint_names import CKPT_RE, MERGED_RE, step_of
-from orchestrator.store.filechecks import (MAX_HEADER, REDO, LoraExpect, Verification, _check_index, _load_json,
-                                           check_adapter_config, check_header, read_safetensors, verify_merged)
-from orchestrator.store.manifest import manifest_matches, manifest_stale, read_manifest
+from orchestrator.store.filechecks import (
+    MAX_HEADER,
+    REDO,
+    LoraExpect,
+    Verification,
+    _check_index,
+    _load_json,
+    check_adapter_config,
+    check_header,
+    read_safetensors,
+    verify_merged,
+)
+from orchestrator.store.manifest import (
+    checksum_problems,
+    load_manifest,
+    manifest_stale,
+    read_manifest,
+)
 from orchestrator.types import CheckpointInfo
 
 # The file checks stay importable from here: callers verify, discover and check through this module.
 __all__ = [
-    "CKPT_RE", "MERGED_RE", "ITER_DIR_RE", "ITER_FILE", "MAX_HEADER", "REDO", "LoraExpect", "Verification",
-    "step_of", "check_header", "completeness", "check_adapter_config", "pick_resume", "latest_good",
-    "read_safetensors", "saved_async", "async_proof", "checkpoint_kind", "step_from_files", "verify",
-    "logged_losses", "discover", "scan", "verify_report", "merged_name", "export_staging_name", "verify_merged",
+    "CKPT_RE",
+    "ITER_DIR_RE",
+    "ITER_FILE",
+    "MAX_HEADER",
+    "MERGED_RE",
+    "REDO",
+    "LoraExpect",
+    "Verification",
+    "async_proof",
+    "check_adapter_config",
+    "check_header",
+    "checkpoint_kind",
+    "completeness",
+    "discover",
+    "export_staging_name",
+    "latest_good",
+    "logged_losses",
+    "merged_name",
+    "pick_resume",
+    "read_safetensors",
+    "saved_async",
+    "scan",
+    "step_from_files",
+    "step_of",
+    "verify",
+    "verify_merged",
+    "verify_report",
 ]
 
 ITER_DIR_RE = re.compile(r"iter_(\d{7,})")
 ITER_FILE = "latest_checkpointed_iteration.txt"
+NOT_COMPARED = "checksums not compared"
 
 
 # ---------------------------------------------------------------- pure checks
@@ -178,12 +217,16 @@ def step_from_files(p: Path, kind: str | None) -> int | None:
 
 
 def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,
-           *, backend: str | None = None) -> Verification:
+           *, backend: str | None = None, recipe_hash: str | None = None) -> Verification:
     """Verify a checkpoint dir (`checkpoint-N`, or one copied under another name), a `-merged` dir, a
-    .safetensors file, or an output_dir (its newest checkpoint)."""
+    .safetensors file, or an output_dir (its newest checkpoint). `full_checksum`: also compare every file
+    with the manifest (a manifest that cannot be used, or names another recipe than `recipe_hash`, is a problem)."""
     p = Path(path)
     if p.is_file():
         problems, names = read_safetensors(p, p.name)
+        if full_checksum:
+            problems.append(f"{NOT_COMPARED}: {p.name} is a file; the manifest covers its checkpoint "
+                            f"directory: verify {p.parent} --checksum")
         return Verification(not problems, None, True, tuple(problems), (p.name,), len(names), str(p))
     m, mm = CKPT_RE.fullmatch(p.name), MERGED_RE.fullmatch(p.name)
     if not p.is_dir():
@@ -194,7 +237,7 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
         infos = [q for q in p.iterdir() if CKPT_RE.fullmatch(q.name) and q.is_dir()]
         if not infos:
             return Verification(False, None, False, (f"{p}: no checkpoint-N directories",), path=str(p))
-        return verify(max(infos, key=step_of), expect, full_checksum, backend=backend)
+        return verify(max(infos, key=step_of), expect, full_checksum, backend=backend, recipe_hash=recipe_hash)
     # the other backend's checkpoint is named as such first, then checked as what it is
     problems: list[str] = []
     if backend is not None and kind is not None and kind != backend and not mm:  # -merged: full weights, any backend
@@ -242,8 +285,8 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
         _check_index(p, per_file, problems)
     else:
         _check_adapter(p, names, backend, step, expect, all_names, problems)
-    if full_checksum and (manifest := read_manifest(p)) is not None:
-        problems += manifest_matches(p, manifest)
+    if full_checksum:
+        problems += checksum_problems(p, *load_manifest(p), recipe_hash=recipe_hash)
     return Verification(not problems, step, True, tuple(problems), tuple(files), len(all_names), str(p), kind)
 
 
@@ -323,11 +366,12 @@ def scan(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None 
 
 
 def verify_report(path: str | os.PathLike, expect: LoraExpect | None = None, full_checksum: bool = False,
-                  backend: str | None = None) -> dict:
+                  backend: str | None = None, recipe_hash: str | None = None) -> dict:
     """The JSON of `orchestrator verify PATH --json`."""
-    v = verify(path, expect, full_checksum, backend=backend)
+    v = verify(path, expect, full_checksum, backend=backend, recipe_hash=recipe_hash)
+    compared = not any(p.startswith(NOT_COMPARED) for p in v.problems)
     return {"ok": v.ok, "step": v.step, "complete": v.complete, "problems": list(v.problems), "path": v.path,
-            "kind": v.kind}
+            "kind": v.kind, "checksums": ("compared" if compared else "not compared") if full_checksum else None}
 
 
 # ---------------------------------------------------------------- the final export's merged copy

@@ -81,6 +81,46 @@ def read_manifest(ckpt: str | os.PathLike) -> dict | None:
     return data if isinstance(data, dict) and isinstance(data.get("files"), list) else None
 
 
+def load_manifest(ckpt: str | os.PathLike) -> tuple[dict | None, str]:
+    """(the manifest of checkpoint `ckpt`, "") or (None, why it cannot be used: missing, unreadable, malformed)."""
+    path = Path(ckpt) / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, (f"{path.parent.name} has no {MANIFEST} (the supervisor writes one for each checkpoint it "
+                      f"verified: this one was never verified by orchestrator, or its manifest was lost)")
+    except OSError as e:
+        return None, f"{path.parent.name}/{MANIFEST} cannot be read ({e.strerror or e})"
+    except ValueError as e:
+        return None, f"{path.parent.name}/{MANIFEST} is not valid JSON ({e})"
+    if not isinstance(data, dict) or not isinstance(data.get("files"), list) or not all(
+            isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
+            and isinstance(f.get("sha256"), str) for f in data["files"]):
+        return None, f"{path.parent.name}/{MANIFEST} is malformed (no list of files with path, size and sha256)"
+    return data, ""
+
+
+def checksum_problems(ckpt: str | os.PathLike, manifest: Mapping | None, why_not: str,
+                      recipe_hash: str | None = None) -> list[str]:
+    """What `verify --checksum` adds: where the files differ from the manifest; that the checksums were not
+    compared and why, when the manifest cannot be used (the comparison asked for cannot be made); and a
+    manifest naming another recipe than `recipe_hash` (the recipe given), or than its publish directory's
+    `<run.name>-<hash8>` name."""
+    if manifest is None:
+        return [f"checksums not compared: {why_not}"]  # checkpoints.NOT_COMPARED
+    problems = manifest_matches(ckpt, manifest)
+    named = manifest.get("recipe_hash")
+    parent = Path(ckpt).resolve().parent.name
+    short = parent.rsplit("-", 1)[-1] if "-" in parent else ""
+    if recipe_hash is not None and named != recipe_hash:
+        problems.append(f"{Path(ckpt).name}: its manifest names recipe {named}, not this recipe's {recipe_hash}: "
+                        f"written by another recipe; a run of this recipe never resumes from it")
+    elif len(short) == 8 and all(c in "0123456789abcdef" for c in short) and not str(named or "").startswith(short):
+        problems.append(f"{Path(ckpt).name}: its manifest names recipe {named}, but it is published under {parent} "
+                        f"(recipe {short}): a copy of another recipe's checkpoint; its run never restores it")
+    return problems
+
+
 def manifest_matches(dir: str | os.PathLike, manifest: Mapping, checksums: bool = True,
                      known: Mapping[str, str] | None = None) -> list[str]:
     """Problems where `dir` differs from `manifest` (missing files, sizes, sha256).

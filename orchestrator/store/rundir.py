@@ -12,8 +12,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.host.journal import Journal, journal_path
 from orchestrator.config.recipe import RecipeError, changed_keys
+from orchestrator.domain.checkpoint_names import CKPT_RE, step_of
+from orchestrator.host.journal import Journal, journal_path
+from orchestrator.host.journal_health import diagnose
+from orchestrator.store.manifest import read_manifest
 
 STATE_DIR = ".orchestrator"
 
@@ -28,15 +31,32 @@ def run_id(output_dir: str | Path) -> str:
 
 
 def recorded_hash(output_dir: Path) -> tuple[str | None, dict | None]:
+    """The recipe hash (and semantic view) the run in output_dir was started with: from its journal, or, when
+    the journal is damaged, the hash named by the newest checkpoint manifest there (the view unknown)."""
     path = journal_path(state_dir(output_dir))
     if not path.exists():
         return None, None
+    if diagnose(path) is not None:
+        return newest_manifest_hash(output_dir), None
     j = Journal(path, readonly=True)
     try:
         kv = j.get_all()
     finally:
         j.close()
     return kv.get("recipe_hash"), kv.get("semantic_view")
+
+
+def newest_manifest_hash(output_dir: Path) -> str | None:
+    """The recipe hash in the manifest of the newest checkpoint in output_dir that has one."""
+    try:
+        dirs = sorted((d for d in output_dir.iterdir() if CKPT_RE.fullmatch(d.name)), key=lambda d: step_of(d.name))
+    except OSError:
+        return None
+    for d in reversed(dirs):
+        m = read_manifest(d)
+        if m is not None and isinstance(m.get("recipe_hash"), str):
+            return m["recipe_hash"]
+    return None
 
 
 @dataclass(frozen=True)
@@ -78,8 +98,15 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Hold the lock until release(); RecipeError (exit 2) when another supervisor holds it, or when the
+        lock cannot be opened at all (without it two supervisors could run one directory)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RecipeError(f"{self.path}: cannot open the run lock ({e.strerror or e}); check that "
+                              f"{self.path.parent} is a writable directory and {self.path.name} a plain file "
+                              f"(delete it if not: it only holds the supervisor's pid)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
