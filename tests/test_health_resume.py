@@ -130,3 +130,22 @@ def test_a_resume_from_scratch_has_no_resume_check():
         w.observe(p)
     w.attempt(None)  # fresh: a new run, not a resume
     assert [f for p in steps(noisy(30, 5.0), start=1) for f in w.observe(p)] == []
+
+
+def test_after_a_weights_only_resume_only_the_first_redone_step_must_match():
+    """No optimizer state: the first redone step's loss is taken on the checkpoint's weights; later ones follow
+    a fresh optimizer's updates and may differ. The first one differing is still caught."""
+    first = steps(noisy(50, 2.0))
+    later_differ = steps([first[40].loss] + [p.loss * 1.2 for p in first[41:]], start=41)
+    first_differs = steps([first[40].loss * 1.2] + [p.loss for p in first[41:]], start=41)
+
+    def run(second: list[Progress]) -> list[str]:
+        w = HealthWatch(CFG, TOL)
+        w.attempt(None)
+        for p in first:
+            w.observe(p)
+        w.attempt(40, weights_only=True)
+        return [f.details.get("check", "") for p in second for f in w.observe(p)]
+
+    assert run(later_differ) == []
+    assert run(first_differs) == ["redone_step"]

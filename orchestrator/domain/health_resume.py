@@ -2,7 +2,8 @@
 
 Two checks on a resumed attempt, against what the run logged before:
   redone steps   every step the earlier attempt logged past the resume point is redone from the same weights
-                 and data: its loss must match the earlier one within checkpoint.resume_loss_tolerance
+                 and data: its loss must match the earlier one within checkpoint.resume_loss_tolerance (after a
+                 weights-only resume only the first: the optimizer starts afresh)
   first window   the first health.resume_window logged losses after the resume against as many before the
                  resume point: their median may not rise by more than health.resume_level_tolerance (and
                  health.divergence_min_rise). This is the case with nothing to redo: a crash right after a
@@ -44,9 +45,14 @@ class ResumeCheck:
     attempt's value where several logged a step)."""
 
     def __init__(self, resume_step: int, earlier: Mapping[int, float], cfg: HealthSection,
-                 resume_loss_tolerance: float) -> None:
+                 resume_loss_tolerance: float, weights_only: bool = False) -> None:
         self.resume_step, self.cfg, self.tolerance = resume_step, cfg, resume_loss_tolerance
         self.redone = {s: v for s, v in earlier.items() if s > resume_step}
+        if weights_only and self.redone:
+            # no optimizer state: only the first redone step runs on the same weights as before (its loss is taken
+            # before its update); every later one follows a fresh optimizer's update and may differ
+            first = min(self.redone)
+            self.redone = {first: self.redone[first]}
         before = [earlier[s] for s in sorted(earlier) if s <= resume_step]
         self.before = before[-cfg.resume_window:]
         self.after: list[float] = []

@@ -1,7 +1,7 @@
 """HealthWatch: the one object the loop feeds, for every health detector over a run's logged steps and lines.
 
     watch = HealthWatch(recipe.health, recipe.checkpoint.resume_loss_tolerance)
-    watch.attempt(resume_step, history)        # at each launch
+    watch.attempt(resume_step, history, weights_only)   # at each launch
     for p in new step records: findings += watch.observe(p)
     for line the parser did not understand: findings += watch.line(line, now)
     watch.alive_at                             # liveness from progress lines, parsed or not
@@ -33,10 +33,12 @@ class HealthWatch:
         self.lines = UnreadableTracker(cfg.unreadable_lines)
         self.last_step: int | None = None
 
-    def attempt(self, resume_step: int | None, history: Iterable[Progress] | None = None) -> None:
-        """A new attempt starts from `resume_step` (None: from scratch). `history`: the run's step records so far
-        in the order they were logged (its logging.jsonl), where this watch did not see them itself (a
-        supervisor restarted mid-run); a later record of a step replaces an earlier one."""
+    def attempt(self, resume_step: int | None, history: Iterable[Progress] | None = None,
+                weights_only: bool = False) -> None:
+        """A new attempt starts from `resume_step` (None: from scratch; `weights_only`: Resume.weights_only, no
+        optimizer state). `history`: the run's step records so far in the order they were logged (its
+        logging.jsonl), where this watch did not see them itself (a supervisor restarted mid-run); a later record
+        of a step replaces an earlier one."""
         if history is not None:
             self.logged = {}
             for p in history:
@@ -45,7 +47,7 @@ class HealthWatch:
         kept = [self.logged[s] for s in sorted(self.logged) if resume_step is not None and s <= resume_step]
         self.logged = {p.step: p for p in kept}
         self.losses.replay(kept)
-        self.resume = (ResumeCheck(resume_step, earlier, self.cfg, self.resume_loss_tolerance)
+        self.resume = (ResumeCheck(resume_step, earlier, self.cfg, self.resume_loss_tolerance, weights_only)
                        if resume_step is not None else None)
         self.lines = UnreadableTracker(self.cfg.unreadable_lines)
         self.last_step = resume_step
