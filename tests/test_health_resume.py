@@ -149,3 +149,21 @@ def test_after_a_weights_only_resume_only_the_first_redone_step_must_match():
 
     assert run(later_differ) == []
     assert run(first_differs) == ["redone_step"]
+
+
+def test_after_a_rollback_the_diverged_steps_are_no_reference():
+    """Rolled back to checkpoint 30 from a divergence with onset 35: this time training goes well. The steps
+    31-34 are compared (they must match); 35 on, logged by the diverged attempt, are not."""
+    good = noisy(80, 2.0)
+    diverged = good[:34] + [4.0] * 26   # steps 35-60 diverged
+    w = HealthWatch(CFG, TOL)
+    w.attempt(None)
+    for p in steps(diverged):
+        w.observe(p)
+    w.attempt(30, suspect_from=35)
+    assert [f for p in steps(good[30:], start=31) for f in w.observe(p)] == []
+    w.attempt(None)
+    for p in steps(diverged):
+        w.observe(p)
+    w.attempt(30)  # without suspect_from the healthy redo would be called a resume divergence
+    assert [f.kind for p in steps(good[30:], start=31) for f in w.observe(p)] == [RESUME_DIVERGENCE]

@@ -34,16 +34,18 @@ class HealthWatch:
         self.last_step: int | None = None
 
     def attempt(self, resume_step: int | None, history: Iterable[Progress] | None = None,
-                weights_only: bool = False) -> None:
+                weights_only: bool = False, suspect_from: int | None = None) -> None:
         """A new attempt starts from `resume_step` (None: from scratch; `weights_only`: Resume.weights_only, no
         optimizer state). `history`: the run's step records so far in the order they were logged (its
         logging.jsonl), where this watch did not see them itself (a supervisor restarted mid-run); a later record
-        of a step replaces an earlier one."""
+        of a step replaces an earlier one. `suspect_from`: after a rollback, the onset step (HealthAction.
+        quarantine_from): what was logged from there on is no reference for the redone steps."""
         if history is not None:
             self.logged = {}
             for p in history:
                 self.logged[p.step] = p
-        earlier = {s: p.loss for s, p in self.logged.items() if p.loss is not None and math.isfinite(p.loss)}
+        earlier = {s: p.loss for s, p in self.logged.items() if p.loss is not None and math.isfinite(p.loss)
+                   and (suspect_from is None or s < suspect_from)}
         kept = [self.logged[s] for s in sorted(self.logged) if resume_step is not None and s <= resume_step]
         self.logged = {p.step: p for p in kept}
         self.losses.replay(kept)
