@@ -146,6 +146,8 @@ RAISE = {
     "grad norm over health.grad_norm_max": (lambda: series([2.0] * 40, [1.0] * 10 + [150.0] + [1.0] * 29),
                                             HealthSection(grad_norm_max=100), [GRAD_NORM_LIMIT], 11),
     "the field's divergence: 1.42 -> 2.5 and grad norms up": (_field_divergence, DEFAULTS, [LOSS_DIVERGENCE], None),
+    "real CPU demo at lr 3.0: its grad norm jumps 14 x at step 41": (
+        lambda: real_jsonl("demo-lr3-100steps.logging.jsonl"), DEFAULTS, [GRAD_NORM_SPIKE], 41),
     "a creeping loss with grad norms up": (_creeping_with_grad_norms, DEFAULTS, [LOSS_DIVERGENCE], None),
 }
 
