@@ -214,3 +214,23 @@ def test_a_new_attempt_from_scratch_forgets_the_run():
     w.attempt(None)  # a fresh run (drift): a higher loss is no divergence from the old run's best
     assert w.loss_level is None
     assert [f for p in series(noisy(100, 3.0, 0.02)) for f in w.observe(p)] == []
+
+
+def test_a_divergence_ongoing_across_a_resume_is_not_reported_again():
+    """health.on_divergence = "warn": the run goes on diverging, crashes, resumes: still the same condition."""
+    records = series(noisy(60, 1.0, 0.02) + noisy(100, 2.0, 0.02, seed=13))
+    w = HealthWatch(DEFAULTS)
+    w.attempt(None)
+    first = [f.kind for p in records[:140] for f in w.observe(p)]
+    w.attempt(130)
+    second = [f.kind for p in records[130:] for f in w.observe(p)]
+    assert (first, second) == ([LOSS_DIVERGENCE], [])
+
+
+def test_a_rollback_before_the_onset_reports_a_recurrence():
+    records = series(noisy(60, 1.0, 0.02) + noisy(100, 2.0, 0.02, seed=13))
+    w = HealthWatch(DEFAULTS)
+    w.attempt(None)
+    (f,) = [f for p in records[:140] for f in w.observe(p)]
+    w.attempt(50, suspect_from=f.first_step)  # the same data again: it diverges again
+    assert [g.kind for p in records[50:] for g in w.observe(p)] == [LOSS_DIVERGENCE]

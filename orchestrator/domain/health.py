@@ -150,12 +150,11 @@ class LossHealth:
                         for k in (LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE, LOSS_LIMIT, GRAD_NORM_LIMIT)}
 
     def replay(self, records: Iterable[Progress]) -> None:
-        """Start over from `records` (an earlier attempt's, say) without reporting what they show."""
+        """Start over from `records` (the run up to a resume point) without reporting what they show: a condition
+        still on at the resume point was reported then and is not reported again."""
         self.reset()
         for p in records:
             self.observe(p)
-        for latch in self.latches.values():  # what the replay saw was reported then, or is no longer news
-            latch.active, latch.clear = False, 0
 
     def observe(self, p: Progress) -> list[Finding]:
         """The findings one new step record brings; a step at or before the last one observed is ignored
