@@ -65,3 +65,23 @@ def test_which_launches_are_perturbed(tmp_path, args, steps, perturbed):
     env = {"PATH": "/usr/bin:/bin", "PERTURB_SCRATCH": str(tmp_path / "scratch"), "PERTURB_STEPS": steps}
     argv = run([a.format(ckpt=ckpt) for a in args], env)
     assert (str(ckpt) not in argv and any("scratch" in a for a in argv)) is perturbed
+
+
+def test_the_base_model_can_be_perturbed_instead(tmp_path):
+    ckpt = checkpoint(tmp_path, 20)
+    model = tmp_path / "tiny-moe"
+    model.mkdir()
+    safetensors_torch.save_file({"lm_head.weight": torch.ones(3, 2), "model.layers.0.mlp.weight": torch.ones(2)},
+                                str(model / "model.safetensors"))
+    before = sha(model / "model.safetensors")
+    env = {"PATH": "/usr/bin:/bin", "PERTURB_SCRATCH": str(tmp_path / "scratch"), "PERTURB_TARGET": "model",
+           "PERTURB_SCALE": "20"}
+    argv = run(["sft", "--model", str(model), "--resume_from_checkpoint", str(ckpt)], env)
+    copy = Path(argv[argv.index("--model") + 1])
+    assert copy != model and argv[argv.index("--resume_from_checkpoint") + 1] == str(ckpt)
+    t = safetensors_torch.load_file(str(copy / "model.safetensors"))
+    assert torch.equal(t["lm_head.weight"], torch.full((3, 2), 20.0))
+    assert torch.equal(t["model.layers.0.mlp.weight"], torch.ones(2))
+    assert sha(model / "model.safetensors") == before
+    # a fresh launch (no resume) trains on the real model
+    assert run(["sft", "--model", str(model)], env)[2] == str(model)
