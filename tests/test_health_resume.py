@@ -54,6 +54,30 @@ def test_the_real_demo_resume_raises_nothing():
     assert resume(first, 10, second, history=True) == []
 
 
+def real_attempts(name: str) -> tuple[list[Progress], list[Progress]]:
+    """A logging.jsonl of two attempts: the first one's records and the resumed one's."""
+    recs = [p for p in map(progress.parse_jsonl_line, (FIXTURES / name).read_text().splitlines()) if p is not None]
+    cut = next(i for i in range(1, len(recs)) if recs[i].step <= recs[i - 1].step)
+    return recs[:cut], recs[cut:]
+
+
+def test_a_real_resume_from_wrong_weights_is_caught_at_the_first_redone_step():
+    """The CPU demo resumed from checkpoint-10 on wrongly loaded weights (tests/perturb_resume.py,
+    PERTURB_TARGET=model): the loss went from 7.3 to 16."""
+    first, second = real_attempts("demo-wrong-weights-resume.logging.jsonl")
+    f = resume(first, 10, second)[0]
+    assert (f.kind, f.details["check"], f.last_step) == (RESUME_DIVERGENCE, "redone_step", 11)
+    assert f.level == pytest.approx(7.308, abs=1e-3) and f.value == pytest.approx(15.95, abs=0.01)
+
+
+def test_the_same_real_resume_with_nothing_redone_is_caught_by_its_first_window():
+    """The field's case: the crash came right after the save at step 10, so nothing is redone."""
+    first, second = real_attempts("demo-wrong-weights-resume.logging.jsonl")
+    f = resume([p for p in first if p.step <= 10], 10, second)[0]
+    assert (f.kind, f.details["check"], f.first_step, f.last_step) == (RESUME_DIVERGENCE, "first_window", 11, 20)
+    assert f.level == pytest.approx(7.35, abs=0.01) and f.value > 15  # the median of steps 1-10, 11-20
+
+
 @pytest.mark.parametrize("resume_step", range(500, 6501, 500))
 def test_a_faithful_resume_of_a_real_noisy_run_raises_nothing(resume_step):
     """A correct resume redoes the same steps with the same data: the real series itself, cut anywhere."""
