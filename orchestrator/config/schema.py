@@ -260,41 +260,34 @@ class MetricsSection(_Section):
 
 
 class HealthSection(_Section):
-    """Run health (orchestrator/domain/health.py): detectors over the logged steps, and what to do when one
-    fires. Operational: outside the recipe hash. The defaults raise nothing on the demo and the tests' normal
-    runs (README "Run health")."""
+    """Run health (domain/health*.py): thresholds and actions. Outside the recipe hash. The defaults raise nothing
+    on the demo, the tests' normal runs and real noisy SFT series (README "Run health" says why each)."""
 
-    # Absolute limits, the field's andon ("loss > 10", "gradient_norm > 100"): unset by default, since a
-    # sensible value depends on the model and the data.
+    # Absolute limits, the field's andon ("loss > 10", "gradient_norm > 100"): unset, as they depend on the model.
     loss_max: float | None = Field(default=None, gt=0)
     grad_norm_max: float | None = Field(default=None, gt=0)
-    # Spike: a logged value above median + spike_mads x MAD of the previous spike_window logged steps and above
-    # spike_min_ratio x that median (grad_norm_spike_min_ratio for grad norms; a flat series has a MAD near 0).
-    # A warning; no action. A real per-step SFT loss with batch 2 (tests/fixtures/health) reaches 2.55 x its
-    # median and its grad norm 5.2 x: normal noise must not count.
+    # Spike (a warning): above median + spike_mads x MAD of the last spike_window logged steps and above
+    # spike_min_ratio x that median (grad norms: grad_norm_spike_min_ratio). A real batch-2 SFT loss reaches
+    # 2.55 x its median, its grad norm 5.2 x: normal noise must not count.
     spike_window: int = Field(default=20, ge=5)
     spike_mads: float = Field(default=10.0, gt=0)
     spike_min_ratio: float = Field(default=3.0, gt=1)
     grad_norm_spike_min_ratio: float = Field(default=10.0, gt=1)
-    # Divergence: the loss level (median of the last divergence_window logged steps) above the best level of
-    # the run by more than divergence_tolerance (relative) for divergence_window logged steps in a row; or a
-    # rise of half that with the grad-norm level up by grad_norm_rise (relative) over its level when the loss
-    # was at its best (grad norms grow through a normal run: the start is no reference).
+    # Divergence: the loss level (median of divergence_window logged steps) over the run's best level + max(
+    # divergence_tolerance x best, divergence_min_rise) for a window; or over half that while the grad-norm level
+    # rose by grad_norm_rise (relative) since the loss was at its best (grad norms grow in a normal run).
     divergence_window: int = Field(default=20, ge=3)
     divergence_tolerance: float = Field(default=0.5, gt=0)
-    # ... and by at least this much in absolute terms (loss units): near the end of a multi-epoch run a best
-    # level of 0.05 would otherwise call a rise to 0.08 a divergence.
-    divergence_min_rise: float = Field(default=0.1, ge=0)
+    divergence_min_rise: float = Field(default=0.1, ge=0)   # loss units: a best of 0.05 rising to 0.08 is noise
     grad_norm_rise: float = Field(default=1.0, gt=0)
     on_divergence: Literal["stop", "rollback", "warn"] = "stop"
-    # After a resume: the first resume_window logged losses against the same number before the resume point
-    # (relative to their level); every redone step against checkpoint.resume_loss_tolerance.
+    # After a resume: the first resume_window logged losses against as many before the resume point (each
+    # redone step against checkpoint.resume_loss_tolerance).
     resume_window: int = Field(default=10, ge=1)
     resume_level_tolerance: float = Field(default=0.5, gt=0)
-    # Progress the parser does not understand: this many progress-looking lines with no step record.
-    unreadable_lines: int = Field(default=3, ge=1)
-    # Throughput (part B's detector): step time over the attempt's baseline by slowdown_ratio, for
-    # slowdown_window_s; "restart": graceful stop and relaunch after a verified checkpoint.
+    unreadable_lines: int = Field(default=3, ge=1)  # progress-looking lines in a row with no step record
+    # Throughput: step time over the attempt's baseline by slowdown_ratio for slowdown_window_s; "restart":
+    # graceful stop and relaunch after a verified checkpoint.
     slowdown_ratio: float = Field(default=1.5, gt=1)
     slowdown_window_s: float = Field(default=600, gt=0)
     on_slowdown: Literal["warn", "restart"] = "warn"

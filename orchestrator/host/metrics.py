@@ -256,7 +256,7 @@ class Metrics:
             self.alert(_HEALTH_CLEARS[kind], False)
 
     def throughput(self, ratio: float) -> None:
-        """Throughput now / the attempt's baseline (part B's detector sets it each pass)."""
+        """Throughput now / the attempt's baseline (the throughput detector sets it each pass)."""
         self._throughput.set(ratio)
 
     def loss_level(self, level: float | None) -> None:
