@@ -262,6 +262,10 @@ class Alert(StrEnum):
     GAVE_UP = "gave_up"                            # state gave_up (every give-up path, drift included)
     DISK_FULL = "disk_full"                        # supervisor: waiting for free space
     NODE_EXCLUDED = "node_excluded"                # supervisor: a bad node left out, the Slurm job requeued
+    TRAINING_UNHEALTHY = "training_unhealthy"      # health events: loss divergence, loss/grad-norm limits
+    THROUGHPUT_DROP = "throughput_drop"            # supervisor: from throughput_drop to throughput_recovered
+    CHECKPOINT_UNCHANGED = "checkpoint_unchanged"  # health events: a stale (byte-identical) checkpoint
+    PROGRESS_UNREADABLE = "progress_unreadable"    # supervisor: progress lines the parser does not understand
 
 
 # ---- system evidence: what the machine said about a failed attempt (orchestrator/host/evidence.py reads it) ----

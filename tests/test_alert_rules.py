@@ -28,7 +28,8 @@ EXPECTED_ALERTS = {
     "OrchestratorCrashLoop", "OrchestratorCheckpointStale", "OrchestratorNoTrainingProgress",
     "OrchestratorInvalidCheckpoint", "OrchestratorSyncLagging", "OrchestratorGpusNotClear",
     "OrchestratorNanOrDivergence", "OrchestratorSupervisorDown", "OrchestratorGaveUp",
-    "OrchestratorDiskFull", "OrchestratorNodeExcluded",
+    "OrchestratorDiskFull", "OrchestratorNodeExcluded", "OrchestratorTrainingUnhealthy",
+    "OrchestratorThroughputDrop", "OrchestratorCheckpointUnchanged", "OrchestratorProgressUnreadable",
 }
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(

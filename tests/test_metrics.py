@@ -235,9 +235,11 @@ def alert_series(m: Metrics) -> dict[str, float]:
 def test_supervisor_alerts_are_precreated_raised_and_cleared(m: Metrics):
     # Exactly the alerts the supervisor owns exist, at 0: no series that nothing ever raises.
     assert alert_series(m) == {a.value: 0.0 for a in RAISED_BY_SUPERVISOR}
-    assert RAISED_BY_SUPERVISOR == {Alert.DISK_FULL, Alert.CHECKPOINT_INVALID, Alert.NODE_EXCLUDED}
+    assert RAISED_BY_SUPERVISOR == {Alert.DISK_FULL, Alert.CHECKPOINT_INVALID, Alert.NODE_EXCLUDED,
+                                    Alert.THROUGHPUT_DROP, Alert.PROGRESS_UNREADABLE}
     m.alert(Alert.DISK_FULL, True)
-    assert alert_series(m) == {"disk_full": 1.0, "checkpoint_invalid": 0.0, "node_excluded": 0.0}
+    assert alert_series(m) == {"disk_full": 1.0, "checkpoint_invalid": 0.0, "node_excluded": 0.0,
+                               "throughput_drop": 0.0, "progress_unreadable": 0.0}
     m.alert(Alert.DISK_FULL, False)
     assert val(m, "orchestrator_alert_active", alert="disk_full") == 0.0
 
@@ -285,3 +287,45 @@ def test_serve_on_loopback_returns_the_bound_port(m: Metrics):
     finally:
         m.close()
     m.close()  # idempotent
+
+
+# --- run health (orchestrator/domain/health.py) ------------------------------------------------------------
+
+def test_health_event_counts_are_precreated_at_zero_and_counted_by_kind(m: Metrics):
+    from orchestrator.domain.health import HEALTH_KINDS
+
+    for kind in HEALTH_KINDS:
+        assert val(m, "orchestrator_health_events_total", kind=kind) == 0.0
+    m.health_event("loss_spike")
+    m.health_event("loss_spike")
+    m.health_event("loss_divergence")
+    assert val(m, "orchestrator_health_events_total", kind="loss_spike") == 2.0
+    assert val(m, "orchestrator_health_events_total", kind="loss_divergence") == 1.0
+    with pytest.raises(ValueError, match="not a health event kind"):
+        m.health_event("loss_wobble")
+
+
+def test_throughput_drop_raises_its_alert_and_recovery_clears_it(m: Metrics):
+    assert val(m, "orchestrator_throughput_ratio") == 1.0  # baseline speed until a detector says otherwise
+    m.health_event("throughput_drop")
+    m.throughput(0.5)
+    assert (val(m, "orchestrator_alert_active", alert="throughput_drop"), val(m, "orchestrator_throughput_ratio")) == (
+        1.0, 0.5)
+    m.health_event("throughput_recovered")
+    m.throughput(1.02)
+    assert val(m, "orchestrator_alert_active", alert="throughput_drop") == 0.0
+
+
+def test_progress_unreadable_is_raised_until_a_step_record_is_understood(m: Metrics):
+    m.health_event("progress_unreadable")
+    assert val(m, "orchestrator_alert_active", alert="progress_unreadable") == 1.0
+    m.observe_progress(Progress(step=7, loss=1.0))
+    assert val(m, "orchestrator_alert_active", alert="progress_unreadable") == 0.0
+
+
+def test_loss_level_is_set_only_from_a_level(m: Metrics):
+    assert val(m, "orchestrator_loss_level") == 0.0
+    m.loss_level(1.42)
+    m.loss_level(None)          # no window of losses yet (a fresh attempt): keep the last level
+    m.loss_level(float("nan"))
+    assert val(m, "orchestrator_loss_level") == 1.42

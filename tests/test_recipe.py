@@ -539,6 +539,9 @@ OPERATIONAL = [
     ["extra_args.eval_steps=50"], ["extra_args.eval_iters=5"], ["extra_args.tensorboard_dir=/tb"],
     ["extra_args.wandb_project=p"], ["extra_args.async_save=true"], ["extra_args.create_checkpoint_symlink=true"],
     ["extra_args.tensorboard_queue_size=100"],
+    ["health.loss_max=10"], ["health.grad_norm_max=100"], ['health.on_divergence="rollback"'],
+    ["health.slowdown_ratio=2.0"], ["health.slowdown_window_s=60"], ['health.on_slowdown="restart"'],
+    ["health.spike_window=50"], ["health.divergence_tolerance=0.2"], ["health.resume_window=5"],
 ]
 
 

@@ -19,13 +19,13 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.config.schema import (CheckpointSection, DataSection, EnvSection, ExtraValue, GpuSection,
-                                        LoraSection, MemorySection, MetricsSection, ModelSection, OptimSection,
+                                        HealthSection, LoraSection, MemorySection, MetricsSection, ModelSection, OptimSection,
                                         ParallelSection, Recipe, RunSection, SupervisorSection, _Combinations,
                                         combination_problems)
 
 # The schema's names stay importable from here: most callers load a recipe and use its types.
 __all__ = [
-    "CheckpointSection", "DataSection", "EnvSection", "ExtraValue", "GpuSection", "LoraSection", "MemorySection",
+    "CheckpointSection", "DataSection", "EnvSection", "ExtraValue", "GpuSection", "HealthSection", "LoraSection", "MemorySection",
     "MetricsSection", "ModelSection", "OptimSection", "ParallelSection", "Recipe", "RunSection", "SupervisorSection",
     "combination_problems",
     "Problem", "RecipeError", "Check", "parse_override", "apply_overrides", "validate", "load", "expert_problems",
@@ -291,7 +291,7 @@ def expert_count(recipe: Recipe) -> int | None:
 # --- the recipe hash -----------------------------------------------------------------------------
 
 # The keys that change the training math. Operational keys (save/logging intervals, paths,
-# supervisor, gpu, metrics, env, memory placement) are left out: changing them must not force a
+# supervisor, gpu, metrics, health, env, memory placement) are left out: changing them must not force a
 # fresh run. Documented in README.md ("Recipe hash").
 HASHED_KEYS: dict[str, tuple[str, ...]] = {
     "run": ("backend",),

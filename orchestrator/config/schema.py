@@ -259,6 +259,40 @@ class MetricsSection(_Section):
         return v
 
 
+class HealthSection(_Section):
+    """Run health (domain/health*.py): thresholds and actions. Outside the recipe hash. The defaults raise nothing
+    on the demo, the tests' normal runs and real noisy SFT series (README "Run health" says why each)."""
+
+    # Absolute limits, the field's andon ("loss > 10", "gradient_norm > 100"): unset, as they depend on the model.
+    loss_max: float | None = Field(default=None, gt=0)
+    grad_norm_max: float | None = Field(default=None, gt=0)
+    # Spike (a warning): above median + spike_mads x MAD of the last spike_window logged steps and above
+    # spike_min_ratio x that median (grad norms: grad_norm_spike_min_ratio). A real batch-2 SFT loss reaches
+    # 2.55 x its median, its grad norm 5.2 x: normal noise must not count.
+    spike_window: int = Field(default=20, ge=5)
+    spike_mads: float = Field(default=10.0, gt=0)
+    spike_min_ratio: float = Field(default=3.0, gt=1)
+    grad_norm_spike_min_ratio: float = Field(default=10.0, gt=1)
+    # Divergence: the loss level (median of divergence_window logged steps) over the run's best level + max(
+    # divergence_tolerance x best, divergence_min_rise) for a window; or over half that while the grad-norm level
+    # rose by grad_norm_rise (relative) since the loss was at its best (grad norms grow in a normal run).
+    divergence_window: int = Field(default=20, ge=3)
+    divergence_tolerance: float = Field(default=0.5, gt=0)
+    divergence_min_rise: float = Field(default=0.1, ge=0)   # loss units: a best of 0.05 rising to 0.08 is noise
+    grad_norm_rise: float = Field(default=1.0, gt=0)
+    on_divergence: Literal["stop", "rollback", "warn"] = "stop"
+    # After a resume: the first resume_window logged losses against as many before the resume point (each
+    # redone step against checkpoint.resume_loss_tolerance).
+    resume_window: int = Field(default=10, ge=1)
+    resume_level_tolerance: float = Field(default=0.5, gt=0)
+    unreadable_lines: int = Field(default=3, ge=1)  # progress-looking lines in a row with no step record
+    # Throughput: step time over the attempt's baseline by slowdown_ratio for slowdown_window_s; "restart":
+    # graceful stop and relaunch after a verified checkpoint.
+    slowdown_ratio: float = Field(default=1.5, gt=1)
+    slowdown_window_s: float = Field(default=600, gt=0)
+    on_slowdown: Literal["warn", "restart"] = "warn"
+
+
 ExtraValue = str | int | float | bool | list[str]
 
 
@@ -275,6 +309,7 @@ class Recipe(_Section):
     supervisor: SupervisorSection = SupervisorSection()
     gpu: GpuSection = GpuSection()
     metrics: MetricsSection = MetricsSection()
+    health: HealthSection = HealthSection()
     extra_args: dict[str, ExtraValue] = {}
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ import os
 import sqlite3
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,13 @@ class Journal:
         rows = self._rows("SELECT at, kind, message, data FROM events ORDER BY id DESC LIMIT ?", (limit,))
         return [{"at": r["at"], "kind": r["kind"], "message": r["message"], "data": json.loads(r["data"])}
                 for r in rows][::-1]
+
+    def events_of(self, kinds: Iterable[str]) -> list[dict]:
+        """Every event of these kinds, oldest first (the run's health events for history and the report)."""
+        kinds = list(kinds)
+        rows = self.db.execute(f"SELECT at, kind, message, data FROM events WHERE kind IN ({', '.join('?' * len(kinds))})"
+                               " ORDER BY id", kinds)
+        return [{"at": r["at"], "kind": r["kind"], "message": r["message"], "data": json.loads(r["data"])} for r in rows]
 
     # --- checkpoints
     def record_checkpoint(self, step: int, path: str, ok: bool, problems: tuple[str, ...] = (),

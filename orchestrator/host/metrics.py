@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
+from orchestrator.domain import health
 from orchestrator.domain.goodput import LOST_CAUSES
 from orchestrator.config.schema import SupervisorSection
 from orchestrator.types import Alert, CrashClass, GpuSnapshot, Progress, State
@@ -32,7 +33,13 @@ from orchestrator.types import Alert, CrashClass, GpuSnapshot, Progress, State
 #   disk_full           raised with policy's WAIT_FOR_SPACE decision; cleared once enough space is free
 #   checkpoint_invalid  raised by run_checkpoints when a checkpoint newer than every verified one fails
 #                       verification; cleared when a newer one verifies ok
-RAISED_BY_SUPERVISOR: frozenset[Alert] = frozenset({Alert.DISK_FULL, Alert.CHECKPOINT_INVALID, Alert.NODE_EXCLUDED})
+#   throughput_drop     raised by the throughput_drop health event; cleared by throughput_recovered
+#   progress_unreadable raised by the progress_unreadable health event; cleared by the next step record understood
+RAISED_BY_SUPERVISOR: frozenset[Alert] = frozenset({Alert.DISK_FULL, Alert.CHECKPOINT_INVALID, Alert.NODE_EXCLUDED,
+                                                    Alert.THROUGHPUT_DROP, Alert.PROGRESS_UNREADABLE})
+# Health event kinds that raise / clear a supervisor alert (health_event()).
+_HEALTH_RAISES = {health.THROUGHPUT_DROP: Alert.THROUGHPUT_DROP, health.PROGRESS_UNREADABLE: Alert.PROGRESS_UNREADABLE}
+_HEALTH_CLEARS = {health.THROUGHPUT_RECOVERED: Alert.THROUGHPUT_DROP}
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
 
@@ -160,6 +167,12 @@ class Metrics:
                                     "Checkpoint interval of the running attempt, steps (chosen when save_steps = auto).")
         self._hang_timer = gauge("orchestrator_hang_timeout_seconds",
                                  "The running attempt's hang timer: no new step for this long is a hang.")
+        self._health = counter("orchestrator_health_events",
+                               "Run-health events, by kind (orchestrator/domain/health.py HEALTH_KINDS).", ("kind",))
+        self._throughput = gauge("orchestrator_throughput_ratio",
+                                 "Training throughput now / the attempt's baseline (1: baseline speed, 0.5: half).")
+        self._loss_level = gauge("orchestrator_loss_level",
+                                 "The loss level: median of the last health.divergence_window logged losses.")
         self._lost = _LostSeconds()
         r.register(self._lost)
         self._alert = gauge("orchestrator_alert_active", "1 while the supervisor raises this alert.",
@@ -171,6 +184,9 @@ class Metrics:
             self._state.labels(s.value).set(0)
         for c in CrashClass:
             self._crashes.labels(c.value)
+        for k in health.HEALTH_KINDS:
+            self._health.labels(k)
+        self._throughput.set(1)
         for a in Alert:
             if a in RAISED_BY_SUPERVISOR:
                 self._alert.labels(a.value).set(0)
@@ -216,6 +232,7 @@ class Metrics:
             if p.step != self._last_step:
                 self._last_step = p.step
                 self._progress_ts.set(now)
+                self._alert.labels(Alert.PROGRESS_UNREADABLE.value).set(0)  # a step record understood again
             bad = any(v is not None and not math.isfinite(v) for v in (p.loss, p.grad_norm))
             if bad and p.step != self._last_bad_step:  # stdout and logging.jsonl report the same step
                 self._last_bad_step = p.step
@@ -227,6 +244,25 @@ class Metrics:
                      (self._step_s, p.step_s)):
             if v is not None:
                 g.set(v)
+
+    def health_event(self, kind: str) -> None:
+        """One run-health event (a Finding's kind): counted, and the supervisor alert it raises or clears."""
+        if kind not in health.HEALTH_KINDS:
+            raise ValueError(f"{kind!r} is not a health event kind ({', '.join(health.HEALTH_KINDS)})")
+        self._health.labels(kind).inc()
+        if kind in _HEALTH_RAISES:
+            self.alert(_HEALTH_RAISES[kind], True)
+        if kind in _HEALTH_CLEARS:
+            self.alert(_HEALTH_CLEARS[kind], False)
+
+    def throughput(self, ratio: float) -> None:
+        """Throughput now / the attempt's baseline (the throughput detector sets it each pass)."""
+        self._throughput.set(ratio)
+
+    def loss_level(self, level: float | None) -> None:
+        """The loss level of HealthWatch.loss_level (None until a window of losses is in: left as it was)."""
+        if level is not None and math.isfinite(level):
+            self._loss_level.set(level)
 
     def crash(self, cls: CrashClass) -> None:
         self._crashes.labels(CrashClass(cls).value).inc()

@@ -21,6 +21,12 @@ CLASS_COLORS = {
     "host_oom_killed": "#b07aa1", "disk_full": "#9c755f", "cuda_fatal": "#d62728", "nan_loss": "#edc948",
     "other": "#7f7f7f",
 }
+HEALTH_COLORS = {
+    "loss_spike": "#f28e2b", "grad_norm_spike": "#e8a33d", "loss_divergence": "#c0392b", "loss_limit": "#a61e4d",
+    "grad_norm_limit": "#a61e4d", "resume_divergence": "#6f42c1", "progress_unreadable": "#7f7f7f",
+    "throughput_drop": "#17becf", "throughput_recovered": "#2e9d5b", "checkpoint_unchanged": "#8c564b",
+    "checkpoint_nonfinite": "#8c564b",
+}
 CAUSE_COLORS = {"productive": "#2e9d5b", "startup": "#f2c14e", "lost_progress": "#e4572e", "wait": "#9aa5b1",
                 "hang": "#8e44ad", "cleanup": "#3a86ff", "other": "#d0d0d0"}
 
@@ -75,7 +81,9 @@ def thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
 
 def loss_chart(d: dict) -> str:
     pts = thin(d["losses"])
-    marks = [c["step"] for c in d["crashes"]] + [r["step"] for r in d["restarts"]] + [c["step"] for c in d["checkpoints"]]
+    health = health_marks(d.get("health", []))
+    marks = ([c["step"] for c in d["crashes"]] + [r["step"] for r in d["restarts"]] + [c["step"] for c in d["checkpoints"]]
+             + [m[1] for m in health])
     x1 = max([d["max_steps"] or 0, 1] + [s for s, _ in pts] + marks)
     ys = [v for _, v in pts]
     y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
@@ -113,6 +121,15 @@ def loss_chart(d: dict) -> str:
     else:
         out.append(f'<text x="{ML + pw / 2}" y="{MT + ph / 2}" text-anchor="middle" class="muted">'
                    'no loss logged yet</text>')
+    for ev, first, last in health:
+        x0, x, col = X(first), X(last), HEALTH_COLORS.get(ev["kind"], "#7f7f7f")
+        tip = f"{ev['kind']} (steps {first}-{last}): {ev['message']}" if first != last else f"{ev['kind']}: {ev['message']}"
+        band = (f'<rect x="{x0:.1f}" y="{MT}" width="{x - x0:.1f}" height="{ph}" fill="{col}" fill-opacity="0.12"/>'
+                if x > x0 else "")
+        out.append(f'<g class="health" data-kind="{e(ev["kind"])}"><title>{e(tip)}</title>{band}'
+                   f'<path d="M{x:.1f},{MT + 14:.1f} l6,7 l-6,7 l-6,-7 z" fill="{col}"/>'
+                   f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{MT + 28}" y2="{MT + ph}" stroke="{col}" stroke-width="1"'
+                   f' stroke-dasharray="2 3"/></g>')
     for s in d["nan_steps"]:
         out.append(f'<g class="nan"><title>{e(f"step {s}: loss is NaN/inf")}</title><text x="{X(s):.1f}" y="{MT + 12}"'
                    f' text-anchor="middle" style="fill:#c0392b;font-weight:700">×</text></g>')
@@ -138,6 +155,30 @@ def loss_chart(d: dict) -> str:
     return "".join(out)
 
 
+def health_marks(events: list[dict]) -> list[tuple[dict, int, int]]:
+    """The health events that have steps, as (event, first step, last step), to mark on the loss curve."""
+    out = []
+    for ev in events:
+        data = ev.get("data") or {}
+        last = data.get("last_step", data.get("first_step"))
+        if isinstance(last, int):
+            first = data.get("first_step")
+            out.append((ev, first if isinstance(first, int) and first <= last else last, last))
+    return out
+
+
+def health_table(events: list[dict]) -> str:
+    """Every health event with its numbers."""
+    keys = ("first_step", "last_step", "window", "level", "threshold", "value")
+    rows = "".join(
+        f"<tr><td class=nw>{e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ev['at'])))}</td>"
+        f'<td class=nw><span class="chip" style="background:{HEALTH_COLORS.get(ev["kind"], "#7f7f7f")}"></span>'
+        f"{e(ev['kind'])}</td>" + "".join(f"<td class=num>{e((ev.get('data') or {}).get(k, '-'))}</td>" for k in keys)
+        + f"<td class=ev>{e(ev['message'])}</td></tr>" for ev in events)
+    head = "".join(f"<th class=num>{k.replace('_', ' ')}</th>" for k in keys)
+    return f"<table><tr><th>time</th><th>kind</th>{head}<th>message</th></tr>{rows}</table>"
+
+
 def chart_legend(d: dict) -> str:
     items = [f'<span class="item"><span class="chip" style="background:#1f5fa8"></span>loss '
              f'({len(d["losses"])} steps)</span>',
@@ -149,6 +190,11 @@ def chart_legend(d: dict) -> str:
         seen[c["class"]] = seen.get(c["class"], 0) + 1
     items += [f'<span class="item"><span class="chip" style="background:{CLASS_COLORS.get(k, "#7f7f7f")}"></span>'
               f'{e(k)} ×{n}</span>' for k, n in seen.items()]
+    kinds: dict[str, int] = {}
+    for ev in d.get("health", []):
+        kinds[ev["kind"]] = kinds.get(ev["kind"], 0) + 1
+    items += [f'<span class="item"><span class="chip" style="background:{HEALTH_COLORS.get(k, "#7f7f7f")};'
+              f'transform:rotate(45deg)"></span>{e(k)} ×{n}</span>' for k, n in kinds.items()]
     return '<p class="legend">' + "".join(items) + "</p>"
 
 
@@ -237,6 +283,7 @@ def render(d: dict) -> str:
         f'<h1>{e(d["run"])} <span class="state {e(state)}">{e(state)}</span></h1><dl class="meta">',
         "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in meta), "</dl>",
         "<h2>Loss</h2>", loss_chart(d), chart_legend(d),
+        *(["<h2>Health</h2>", health_table(d["health"])] if d.get("health") else []),
         "<h2>Goodput</h2>", goodput_section(d["goodput"]),
         *(["<h2>Costs</h2>", costs_section(d["costs"])] if d.get("costs") else []),
         "<h2>Attempts</h2>", attempts_table(d["attempts"]),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from orchestrator.config.recipe import Recipe
 from orchestrator.domain import goodput, progress
+from orchestrator.domain.health import HEALTH_KINDS
 from orchestrator.domain.costs import mean_save
 from orchestrator.host.journal_goodput import goodput_of
 from orchestrator.domain.verdict import NO_OOM_RECORD
@@ -104,11 +105,18 @@ def costs_line(c: dict) -> str:
     return f"{start}; {save}{every}"
 
 
+def health_summary(events: list[dict]) -> dict:
+    """How many health events of each kind, and the newest one (for status)."""
+    return {"counts": dict(Counter(ev["kind"] for ev in events)), "last": events[-1] if events else None}
+
+
 def history_data(r: Recipe, j: Journal) -> dict:
     kv, rows = j.get_all(), j.attempts()
     return {"run": r.run.name, "recipe_hash": kv.get("recipe_hash"), "state": kv.get("state"),
             "output_dir": str(output_dir_of(r, kv)), "attempts": [attempt_row(a) for a in rows],
             "costs": costs_data(rows, kv),
+            # every health event with its numbers (first_step, last_step, window, level, threshold, value, ...)
+            "health": j.events_of(HEALTH_KINDS),
             "goodput": goodput_dict(goodput_of(j)),
             "sync": sync_state(r, ckpts := j.checkpoints(), time.time(), synced_steps(ckpts, published_steps(r, kv)),
                                kv.get("recipe_hash"))}
@@ -124,6 +132,8 @@ def history_table(data: dict) -> str:
     g = data["goodput"]
     lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
     rows.append(f"goodput {g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f" (lost: {lost})" if lost else ""))
+    for ev in data.get("health", []):
+        rows.append(f"health: {ev['kind']}: {ev['message']}")
     if "costs" in data:
         rows.append(f"costs: {costs_line(data['costs'])}")
     if (s := data.get("sync", {})).get("enabled"):
@@ -225,6 +235,7 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
         "invalid_checkpoints": [c["step"] for c in ckpts if not c["ok"]],
         "goodput": round(g.ratio, 4),
         "events": j.events(10),
+        "health": health_summary(j.events_of(HEALTH_KINDS)),
         # added for the live view
         "recipe_hash": kv.get("recipe_hash"), "output_dir": str(out), "attempts": len(attempts),
         "crashes": len([a for a in attempts if a.cls]),
@@ -301,6 +312,7 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
                         for c in j.checkpoints()],
         "attempts": [attempt_row(a) for a in attempts],
         "goodput": st["goodput_detail"], "sync": st["sync"], "events": j.events(30), "costs": st["costs"],
+        "health": j.events_of(HEALTH_KINDS),
     }
 
 

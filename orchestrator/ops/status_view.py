@@ -77,6 +77,10 @@ def status_renderable(d: dict):
     lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
     t.add_row("goodput", f"{g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f"  lost: {lost}" if lost else ""))
     t.add_row("costs", costs_line(d["costs"]))
+    if (h := d.get("health")) and h["last"]:
+        last = h["last"]
+        t.add_row("health", Text.assemble((", ".join(f"{k} ×{n}" for k, n in h["counts"].items()), "bold yellow"),
+                                          f"  last: {last['kind']}: {last['message'][:160]}"))
     events = Table.grid(padding=(0, 1))
     for e in d["events"][-5:]:
         events.add_row(Text(time.strftime("%H:%M:%S", time.localtime(e["at"])), style="dim"),

@@ -1,0 +1,102 @@
+"""Divergence after a resume, with or without redone steps (issue 23, item 2). Pure.
+
+Two checks on a resumed attempt, against what the run logged before:
+  redone steps   every step the earlier attempt logged past the resume point is redone from the same weights
+                 and data: its loss must match the earlier one within checkpoint.resume_loss_tolerance (after a
+                 weights-only resume only the first: the optimizer starts afresh)
+  first window   the first health.resume_window logged losses after the resume against as many before the
+                 resume point: their median may not rise by more than health.resume_level_tolerance (and
+                 health.divergence_min_rise). This is the case with nothing to redo: a crash right after a
+                 save, then a resume from wrong weights that verified.
+Either one -> resume_divergence (the supervisor's existing event name), once per attempt.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+from orchestrator.config.schema import HealthSection
+from orchestrator.domain.health import RESUME_DIVERGENCE, Finding, divergence_threshold
+from orchestrator.types import Progress
+
+MIN_WINDOW = 3   # fewer losses on either side of the resume point say nothing about a level
+
+
+def redone_mismatch(loss: float, earlier: float, tolerance: float) -> bool:
+    """Whether a redone step's loss differs from the loss logged at that step before by more than
+    `tolerance`, relative to the earlier loss."""
+    return abs(loss - earlier) / max(abs(earlier), 1e-8) > tolerance
+
+
+def window_jump(before: Sequence[float], after: Sequence[float], tolerance: float,
+                min_rise: float) -> tuple[float, float, float] | None:
+    """(level before, level after, threshold) when the median of `after` is above the threshold over the
+    median of `before`; None when it is not, or when either side has fewer than MIN_WINDOW losses."""
+    if len(before) < MIN_WINDOW or len(after) < MIN_WINDOW:
+        return None
+    level_before, level_after = statistics.median(before), statistics.median(after)
+    threshold = divergence_threshold(level_before, tolerance, min_rise)
+    return (level_before, level_after, threshold) if level_after > threshold else None
+
+
+class ResumeCheck:
+    """One resumed attempt. `earlier`: step -> loss as the run logged it before this attempt (the latest
+    attempt's value where several logged a step)."""
+
+    def __init__(self, resume_step: int, earlier: Mapping[int, float], cfg: HealthSection,
+                 resume_loss_tolerance: float, weights_only: bool = False) -> None:
+        self.resume_step, self.cfg, self.tolerance = resume_step, cfg, resume_loss_tolerance
+        self.redone = {s: v for s, v in earlier.items() if s > resume_step}
+        if weights_only and self.redone:
+            # no optimizer state: only the first redone step runs on the same weights as before (its loss is taken
+            # before its update); every later one follows a fresh optimizer's update and may differ
+            first = min(self.redone)
+            self.redone = {first: self.redone[first]}
+        before = [earlier[s] for s in sorted(earlier) if s <= resume_step]
+        self.before = before[-cfg.resume_window:]
+        self.after: list[float] = []
+        self.compared = 0     # redone steps compared so far
+        self.window_checked = False
+        self.done = False     # found, or both checks passed
+
+    def observe(self, p: Progress) -> Finding | None:
+        """One new step record of the resumed attempt (step order; repeats already dropped)."""
+        if self.done or p.loss is None or not math.isfinite(p.loss) or p.step <= self.resume_step:
+            return None
+        earlier = self.redone.get(p.step)
+        if earlier is not None:
+            self.compared += 1
+            if redone_mismatch(p.loss, earlier, self.tolerance):
+                self.done = True
+                return Finding(RESUME_DIVERGENCE,
+                               f"resumed from step {self.resume_step}: the redone step {p.step} logged loss "
+                               f"{p.loss:.6g}, the earlier attempt {earlier:.6g} (tolerance "
+                               f"{self.tolerance:.0%}, checkpoint.resume_loss_tolerance)",
+                               p.step, p.step, None, earlier, self.tolerance, p.loss,
+                               {"resume_step": self.resume_step, "check": "redone_step",
+                                "redone_compared": self.compared})
+        found = None if self.window_checked else self._first_window(p)
+        self.done = found is not None or (self.window_checked and max(self.redone, default=-1) <= p.step)
+        return found
+
+    def _first_window(self, p: Progress) -> Finding | None:
+        assert p.loss is not None
+        n = len(self.before)
+        if n < MIN_WINDOW:
+            self.window_checked = True
+            return None
+        self.after.append(p.loss)
+        if len(self.after) < n:
+            return None
+        self.window_checked = True
+        jump = window_jump(self.before, self.after, self.cfg.resume_level_tolerance, self.cfg.divergence_min_rise)
+        if jump is None:
+            return None
+        level_before, level_after, threshold = jump
+        return Finding(RESUME_DIVERGENCE,
+                       f"resumed from step {self.resume_step}: the median loss of its first {n} logged steps is "
+                       f"{level_after:.4g}, of the {n} before the resume point {level_before:.4g} (threshold "
+                       f"{threshold:.4g}, health.resume_level_tolerance {self.cfg.resume_level_tolerance:g})",
+                       self.resume_step + 1, p.step, n, level_before, threshold, level_after,
+                       {"resume_step": self.resume_step, "check": "first_window"})
