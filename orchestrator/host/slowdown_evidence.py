@@ -211,14 +211,16 @@ def read(pids: Iterable[int], *, gpus: list[GpuHealth] | None = None, gpu_why: s
         swapped = (vm1["pswpin"] - vm0["pswpin"] + vm1["pswpout"] - vm0["pswpout"]) / dt
     load = _read(proc / "loadavg", lambda t: tuple(float(x) for x in t.split()[:3]), "/proc/loadavg", why)
     mem = _read(proc / "meminfo", parse_meminfo, "/proc/meminfo", why) or {}
-    pressure = {}
+    pressure: dict[str, float] = {}
     if (proc / "pressure" / "memory").exists():
         pressure = _read(proc / "pressure" / "memory", parse_pressure, "/proc/pressure/memory", why) or {}
     else:
         why.append("/proc/pressure/memory: not available: no PSI in this kernel")
     swap = mem["SwapTotal"] - mem["SwapFree"] if "SwapTotal" in mem and "SwapFree" in mem else None
+    busy, steal, iowait = shares if shares else (None, None, None)
     return SlowdownEvidence(
-        now(), tuple(gpus or ()), *(shares if shares else (None, None, None)), load, pressure,
-        mem.get("MemAvailable"), swap, swapped,
-        tuple(cgroup_cpu(cg, v, cg0.get(cg), cg1[cg]) for cg, v in cgs.items() if cg in cg1), tuple(why))
-
+        now(), tuple(gpus or ()), cpu_busy_pct=busy, cpu_steal_pct=steal, cpu_iowait_pct=iowait, load_avg=load,
+        memory_pressure=pressure, mem_available_bytes=mem.get("MemAvailable"), swap_used_bytes=swap,
+        swapped_pages_per_s=swapped,
+        cgroups=tuple(cgroup_cpu(cg, v, cg0.get(cg), cg1[cg]) for cg, v in cgs.items() if cg in cg1),
+        unavailable=tuple(why))
