@@ -142,3 +142,12 @@ def test_slowdown_action(on, last, now, expect):
 def test_slowdown_action_refuses_an_unknown_value():
     with pytest.raises(ValueError, match="on_slowdown"):
         slowdown_action("stop", 0.0, None)
+
+
+def test_open_spell_for_the_goodput_span():
+    _, tr = feed([(500, 1.0), (2000, 2.0)])
+    assert tr.dropped is not None
+    since = tr.dropped.since
+    assert tr.open_spell(since + 50.0) == (since, since + 50.0)
+    _, tr = feed([(500, 1.0), (1000, 2.0), (1000, 1.0)])
+    assert tr.open_spell(1e9) is None

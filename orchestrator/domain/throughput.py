@@ -143,6 +143,11 @@ class ThroughputTracker:
         self.dropped, self.slow_since = None, None
         return [Finding(THROUGHPUT_RECOVERED, at, step, ratio, current, self.baseline_s, at - since, since)]
 
+    def open_spell(self, end: float) -> tuple[float, float] | None:
+        """The slow spell still open at `end` (an attempt's end): (since, end) for a goodput span of kind
+        "slow"; None when none is open. A recovered spell's span is (finding.since, finding.at)."""
+        return None if self.dropped is None else (self.dropped.since, max(end, self.dropped.since))
+
     @property
     def ratio(self) -> float | None:
         """current / baseline now (for the metric orchestrator_throughput_ratio); None before a verdict."""
