@@ -189,3 +189,16 @@ def test_a_stale_copy_of_a_pruned_checkpoint_is_still_caught(tmp_path):
     f = health.check(str(tmp_path / "checkpoint-4"), 4, {"files": files})
     assert f is not None and f.kind == ch.CHECKPOINT_UNCHANGED and f.data["max_lr"] is None
     assert health.take() == [f] and health.take() == []
+
+
+def test_after_a_supervisor_restart_the_previous_manifest_on_disk_is_the_reference(tmp_path):
+    from orchestrator.store import manifest
+    for step in (2, 4):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        (d / "adapter_model.safetensors").write_bytes(b"same bytes")
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    manifest.write_manifest(tmp_path / "checkpoint-2", 2, "h")
+    manifest.write_manifest(tmp_path / "checkpoint-4", 4, "h")
+    f = ch.CheckpointHealth(tmp_path).check(str(tmp_path / "checkpoint-4"), 4)   # a fresh process: nothing remembered
+    assert f is not None and f.kind == ch.CHECKPOINT_UNCHANGED and f.data["previous_step"] == 2

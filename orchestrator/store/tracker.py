@@ -8,7 +8,6 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 from orchestrator.store import checkpoint_health, checkpoints, manifest
@@ -63,9 +62,8 @@ class CheckpointTracker:
                 self.journal.event("checkpoint", f"verified {Path(info.path).name}")
                 if manifest.read_manifest(info.path) is None:
                     self._hash(info.path, info.step, info.loss)
-                else:
-                    self.hasher.submit(self._check_health, info.path, info.step).add_done_callback(
-                        partial(self._saved_unless_unhealthy, info.path))
+                else:  # hashed and health-checked by an earlier supervisor (the same job writes both)
+                    self.on_saved()
             else:
                 self.metrics.checkpoint_invalid()
                 self.journal.event("checkpoint_invalid", f"{Path(info.path).name}: " + "; ".join(info.problems))
@@ -91,7 +89,7 @@ class CheckpointTracker:
         except Exception:  # a bug in a check must not cost the manifest or the run: the checkpoint stays usable
             pass
 
-    def _saved_unless_unhealthy(self, path: str, _done: object = None) -> None:
+    def _saved_unless_unhealthy(self, path: str) -> None:
         """Wake the publisher, unless the checkpoint was just found unhealthy (it is about to be moved)."""
         if not any(f.path == path for f in self.health.peek()):
             self.on_saved()
