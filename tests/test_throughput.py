@@ -151,3 +151,15 @@ def test_open_spell_for_the_goodput_span():
     assert tr.open_spell(since + 50.0) == (since, since + 50.0)
     _, tr = feed([(500, 1.0), (1000, 2.0), (1000, 1.0)])
     assert tr.open_spell(1e9) is None
+
+
+def test_bursts_between_throttled_gaps_are_a_slowdown():
+    """A CPU quota lets a trainer of 1 ms steps run 4 ms bursts at full speed, then stops it for 96 ms: each
+    single gap but one looks normal, a measurement over several periods does not."""
+    p = ThroughputParams(slowdown_window_s=2.0, sample_s=1.0, bucket_s=0.5, warmup_steps=20, baseline_gaps=5)
+    kinds, tr = feed([(5000, 0.001)] + [(4, 0.001), ("pause", 0.096)] * 300 + [(5000, 0.001)], params=p)
+    assert kinds == [THROUGHPUT_DROP, THROUGHPUT_RECOVERED]
+    # ... which a single-gap median (bucket_s = 0) misses
+    kinds, _ = feed([(5000, 0.001)] + [(4, 0.001), ("pause", 0.096)] * 300, params=ThroughputParams(
+        slowdown_window_s=2.0, sample_s=1.0, bucket_s=0.0, warmup_steps=20, baseline_gaps=5))
+    assert kinds == []

@@ -4,9 +4,12 @@ Evidence: the (step, seen at) records the supervisor already keeps for costs.py 
 good to poll_s). ms-swift's own `train_speed(s/it)` is an average since the process started, so it moves
 too slowly to show a drop and is not used here.
 
-  per-step time   each gap between two step records read at different times: seconds / steps advanced.
-                  A gap that starts at a save or an evaluation (`pause`) is left out, as costs.step_seconds
-                  does: what it measures is the pause, not training.
+  per-step time   the gaps between step records read at different times, gathered into measurements of
+                  at least `bucket_s` each: seconds / steps advanced. A gap that starts at a save or an
+                  evaluation (`pause`) is left out, as costs.step_seconds does: what it measures is the
+                  pause, not training. Gathering matters for short steps: a CPU quota (CFS, 100 ms periods)
+                  lets a trainer of 1 ms steps run bursts at full speed between throttled gaps, which a
+                  median of single gaps would not see.
   baseline        after `warmup_steps` of the attempt (compilation, caches, the first data loads), the
                   median per-step time of the next `baseline_gaps` gaps; or `reference_s` (a previous
                   attempt's baseline) when that is faster: an attempt relaunched onto a degraded GPU is
@@ -41,7 +44,8 @@ class ThroughputParams:
     warmup_steps: int = 10            # steps of each attempt not measured (start-up effects)
     baseline_gaps: int = 10           # gaps whose median is the baseline
     sample_s: float = 120.0           # the window `current` is the median over
-    min_gaps: int = 5                 # gaps `current` needs at least (fewer: no verdict)
+    min_gaps: int = 5                 # measurements `current` needs at least (fewer: no verdict)
+    bucket_s: float = 2.0             # seconds of step gaps gathered into one measurement (4 polls of 0.5 s)
     recover_ratio: float | None = None  # default: halfway between 1 and slowdown_ratio
 
     @property
@@ -86,6 +90,7 @@ class ThroughputTracker:
     warmup_gaps: list[float] = field(default_factory=list)
     baseline_s: float | None = None
     gaps: deque[tuple[float, float]] = field(default_factory=deque)   # (ended at, seconds per step)
+    acc: tuple[float, int] = (0.0, 0)       # the measurement being gathered: (seconds, steps)
     slow_since: float | None = None
     dropped: Finding | None = None          # the open drop, until recovered
 
@@ -108,7 +113,11 @@ class ThroughputTracker:
         self.pauses = {p for p in self.pauses if p >= step}
         if paused:
             return []
-        per_step = (at - t0) / (step - s0)
+        secs, steps = self.acc[0] + at - t0, self.acc[1] + step - s0
+        if secs < self.params.bucket_s:
+            self.acc = (secs, steps)
+            return []
+        self.acc, per_step = (0.0, 0), secs / steps
         if self.baseline_s is None:
             self.warmup_gaps.append(per_step)
             if len(self.warmup_gaps) >= self.params.baseline_gaps:
