@@ -163,3 +163,10 @@ def test_bursts_between_throttled_gaps_are_a_slowdown():
     kinds, _ = feed([(5000, 0.001)] + [(4, 0.001), ("pause", 0.096)] * 300, params=ThroughputParams(
         slowdown_window_s=2.0, sample_s=1.0, bucket_s=0.0, warmup_steps=20, baseline_gaps=5))
     assert kinds == []
+
+
+def test_params_from_the_recipe_scale_the_measuring_windows():
+    assert ThroughputParams.from_health() == ThroughputParams()
+    short = ThroughputParams.from_health(2.0, 2.0)
+    assert (short.slowdown_ratio, short.slowdown_window_s, short.sample_s, short.bucket_s) == (2.0, 2.0, 1.0, 0.5)
+    assert short.recover_at == 1.5

@@ -35,8 +35,7 @@ def test_a_cut_cpu_quota_is_a_throughput_drop_with_the_cgroup_as_evidence_then_r
     cg = CPU_V1 / f"orchestrator-throughput-{os.getpid()}"
     cg.mkdir()
     child = None
-    tr = ThroughputTracker(ThroughputParams(slowdown_window_s=2.0, sample_s=1.0, bucket_s=0.5, warmup_steps=20,
-                                           baseline_gaps=5))
+    tr = ThroughputTracker(ThroughputParams.from_health(1.5, 2.0))   # the recipe's keys, a short window
     found: list = []
     lock, got = threading.Lock(), threading.Event()
 

@@ -48,6 +48,13 @@ class ThroughputParams:
     bucket_s: float = 2.0             # seconds of step gaps gathered into one measurement (4 polls of 0.5 s)
     recover_ratio: float | None = None  # default: halfway between 1 and slowdown_ratio
 
+    @classmethod
+    def from_health(cls, slowdown_ratio: float = 1.5, slowdown_window_s: float = 600.0) -> ThroughputParams:
+        """The recipe's two health keys, with the measuring windows scaled to the window where it is short
+        (tests, demos): `sample_s` at most half of it, `bucket_s` at most a quarter."""
+        return cls(slowdown_ratio, slowdown_window_s, sample_s=min(120.0, slowdown_window_s / 2),
+                   bucket_s=min(2.0, slowdown_window_s / 4))
+
     @property
     def recover_at(self) -> float:
         return self.recover_ratio if self.recover_ratio is not None else 1.0 + (self.slowdown_ratio - 1.0) / 2
