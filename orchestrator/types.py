@@ -317,3 +317,55 @@ class SystemEvidence:
     disks: tuple[DiskSpace, ...] = ()
     port_owners: tuple[PortOwner, ...] = ()
     unavailable: tuple[str, ...] = ()
+
+
+# ---- slowdown evidence: what the machine said when throughput dropped (orchestrator/host/slowdown_evidence.py) ----
+@dataclass(frozen=True)
+class GpuHealth:
+    """One GPU at a slowdown, as `nvidia-smi -q -d CLOCK,PERFORMANCE,TEMPERATURE,POWER,ECC` shows it.
+    None: NVML could not say (not supported on this GPU, or the call failed)."""
+
+    index: int
+    sm_clock_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    throttle_reasons: tuple[str, ...] = ()   # "hw_thermal_slowdown", "sw_power_cap", ... ("gpu_idle" left out)
+    temperature_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    ecc_uncorrected: int | None = None       # volatile (since the driver loaded)
+    ecc_corrected: int | None = None
+    pcie_replays: int | None = None
+    xids: tuple[int, ...] = ()               # Xid events seen on it since the attempt's launch
+
+
+@dataclass(frozen=True)
+class CgroupCpu:
+    """A CPU cgroup of the trainer's processes: its quota and throttling (v1 or v2 cpu.stat)."""
+
+    path: str
+    version: int                             # 1 or 2
+    quota: str                               # "50000/100000" (us per period), "max": no limit
+    nr_periods: int | None = None
+    nr_throttled: int | None = None          # periods throttled, since the cgroup was made
+    throttled_s: float | None = None
+    throttled_now: int | None = None         # periods throttled during the sampling interval
+
+
+@dataclass(frozen=True)
+class SlowdownEvidence:
+    """What the machine said when the trainer slowed down. Shares are of all CPUs over a short sampling
+    interval; `unavailable` names each source that could not be read (absence there means nothing)."""
+
+    at: float                                # wall clock
+    gpus: tuple[GpuHealth, ...] = ()
+    cpu_busy_pct: float | None = None
+    cpu_steal_pct: float | None = None
+    cpu_iowait_pct: float | None = None
+    load_avg: tuple[float, float, float] | None = None
+    memory_pressure: dict[str, float] = field(default_factory=dict)   # "some_avg10", "full_avg10", ...
+    mem_available_bytes: int | None = None
+    swap_used_bytes: int | None = None
+    swapped_pages_per_s: float | None = None  # pswpin + pswpout over the sampling interval
+    cgroups: tuple[CgroupCpu, ...] = ()
+    unavailable: tuple[str, ...] = ()

@@ -80,6 +80,9 @@ def test_demo_elsewhere_tells_the_crash_step_charges_the_redone_steps_and_its_ne
         first, second, export = j.attempts()  # the demo's checkpoint.merge = "final": the export comes last
         kept = next(c for c in j.checkpoints() if c["step"] == second.start_step)
         g = goodput_of(j)
+        # checkpoint health (issue 23): a normal run's real checkpoints are neither stale nor non-finite
+        assert not [e for e in j.events(1000) if e["kind"] in ("checkpoint_unchanged", "checkpoint_nonfinite")]
+        assert all(c["ok"] for c in j.checkpoints()) and not list(out.glob("checkpoint-*.checkpoint_*"))
     finally:
         j.close()
 

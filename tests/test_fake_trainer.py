@@ -13,26 +13,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import crash_texts  # noqa: E402
-from orchestrator.types import CrashClass  # noqa: E402
-
-FAKE = str(Path(__file__).parent / "support" / "fake_trainer.py")
-FAST = {"FAKE_STARTUP_S": "0", "FAKE_STEP_S": "0.001", "FAKE_NPROC": "8", "MASTER_PORT": "29611"}
-
-
-def env_for(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_") and k not in ("NPROC_PER_NODE", "MASTER_PORT")}
-    env.update(FAST)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def run(out: Path, *flags: str, **extra) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, FAKE, "sft", "--output_dir", str(out), *flags], env=env_for(**extra),
-                       capture_output=True, timeout=60)
-    r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()  # bytes: keep tqdm's "\r" as written
-    return r
+import crash_texts
+from fake_runs import FAKE, MEG, SWIFT, env_for, run  # noqa: F401
+from orchestrator.types import CrashClass
 
 
 def progress(stdout: str) -> dict[int, dict]:
@@ -59,10 +42,6 @@ def read_safetensors(path: Path) -> dict:
         assert v["dtype"] == "F32" and b - a == 4 * count, k
         assert 8 + n + b <= len(raw)
     return header
-
-
-MEG = ("--train_iters", "12", "--save_steps", "5", "--logging_steps", "2")
-SWIFT = ("--max_steps", "6", "--save_steps", "2", "--logging_steps", "1")
 
 
 # --- normal runs ---------------------------------------------------------------------------------------

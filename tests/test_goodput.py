@@ -57,6 +57,22 @@ CASES = [
     ("overlapping spans are not counted twice", [],
      [Span(0, 100, "productive"), Span(50, 150, "wait")], 150, None, 100, lost(wait=50)),
     ("nothing recorded", [], [], 1000, None, 0, lost()),
+    # slow: throughput_drop -> throughput_recovered (or the attempt's end), recorded as a "slow" span
+    ("slow stretch of a running attempt: out of productive", [A(0, first_step_at=100)],
+     [Span(300, 500, "slow")], 1000, None, 700, lost(startup=100, slow=200)),
+    ("slow until a completed end", [A(0, 1000, first_step_at=100, completed=True)],
+     [Span(600, 1000, "slow")], 1000, None, 500, lost(startup=100, slow=400)),
+    ("slow after the kept checkpoint of a crashed attempt: lost_progress only, not twice",
+     [A(0, 800, first_step_at=100, last_checkpoint_at=600)], [Span(500, 800, "slow")], 800, None, 400,
+     lost(startup=100, lost_progress=200, slow=100)),
+    ("slow spans overlapping each other count once", [A(0, first_step_at=100)],
+     [Span(200, 400, "slow"), Span(300, 500, "slow")], 1000, None, 600, lost(startup=100, slow=300)),
+    ("slow span reaching into startup and a wait: only its training counts",
+     [A(0, 1000, first_step_at=100, last_checkpoint_at=1000), A(1100, first_step_at=1200)],
+     [Span(1000, 1100, "wait"), Span(50, 150, "slow"), Span(900, 1300, "slow")], 1500, None, 950,
+     lost(startup=200, wait=100, slow=250)),
+    ("slow span cut by the window", [A(0, first_step_at=0)], [Span(0, 600, "slow")], 1000, 400, 400,
+     lost(slow=200)),
 ]
 
 

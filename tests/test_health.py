@@ -3,10 +3,8 @@ over logged steps. Table tests: the rows that must raise, and the false-positive
 warm-up, the LR schedule's end, eval records, save pauses, few steps, a fast early drop) that must not."""
 from __future__ import annotations
 
-import csv
 import math
 import random
-from pathlib import Path
 
 import pytest
 
@@ -25,15 +23,9 @@ from orchestrator.domain.health import (
 )
 from orchestrator.domain.health_watch import HealthWatch
 from orchestrator.types import Progress
+from health_series import FIXTURES, real_csv
 
-FIXTURES = Path(__file__).parent / "fixtures" / "health"
 DEFAULTS = HealthSection()
-
-
-def real_csv(name: str) -> list[Progress]:
-    with (FIXTURES / name).open() as f:
-        return [Progress(step=int(r["step"]), loss=float(r["loss"]), grad_norm=float(r["grad_norm"]),
-                         lr=float(r["learning_rate"])) for r in csv.DictReader(f)]
 
 
 def real_jsonl(name: str) -> list[Progress]:

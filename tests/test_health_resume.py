@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from test_health import real_csv
+from health_series import real_csv
 
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
@@ -62,7 +62,7 @@ def real_attempts(name: str) -> tuple[list[Progress], list[Progress]]:
 
 
 def test_a_real_resume_from_wrong_weights_is_caught_at_the_first_redone_step():
-    """The CPU demo resumed from checkpoint-10 on wrongly loaded weights (tests/perturb_resume.py,
+    """The CPU demo resumed from checkpoint-10 on wrongly loaded weights (tests/support/perturb_resume.py,
     PERTURB_TARGET=model): the loss went from 7.3 to 16."""
     first, second = real_attempts("demo-wrong-weights-resume.logging.jsonl")
     f = resume(first, 10, second)[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from supervised import fake_recipe
-from test_report import Page
+from html_page import Page
 
 from orchestrator.config.recipe import load
 from orchestrator.domain.health import (

@@ -1,4 +1,4 @@
-"""tests/perturb_resume.py, the e2e helper for a resume from wrong weights: it runs the trainer on a perturbed
+"""tests/support/perturb_resume.py, the e2e helper for a resume from wrong weights: it runs the trainer on a perturbed
 copy of the checkpoint it resumes from and leaves the checkpoint itself as it was."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-HELPER = Path(__file__).parent / "perturb_resume.py"
+HELPER = Path(__file__).parent / "support" / "perturb_resume.py"
 ECHO = "import json, sys; print(json.dumps(sys.argv[1:]))"
 
 

@@ -2,7 +2,6 @@
 real supervised fake-trainer runs, plus the CLI round trips."""
 from __future__ import annotations
 
-import html.parser
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import load
 from orchestrator.store.rundir import state_dir
 from orchestrator.types import Attempt, CrashClass, Progress
+from html_page import Page
 from supervised import cli, fake_recipe, journal, logged_steps, supervise
 
 FAULTS = "fla_backward_oom@15,cuda_fatal@27,nccl_error@33"
@@ -211,43 +211,6 @@ def test_steplog_reads_incrementally_last_record_per_step(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ HTML
-
-class Page(html.parser.HTMLParser):
-    """Collects tags and checks nesting; void elements need no end tag."""
-
-    VOID = {"meta", "br", "img", "input", "link", "hr", "path", "circle", "line", "rect", "polyline"}
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.stack: list[str] = []
-        self.tags: list[tuple[str, dict]] = []
-        self.errors: list[str] = []
-        self.titles: list[str] = []
-        self.feed(text)
-        self.close()
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-        if tag not in self.VOID:
-            self.stack.append(tag)
-
-    def handle_startendtag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-
-    def handle_endtag(self, tag):
-        if tag in self.VOID and (not self.stack or self.stack[-1] != tag):
-            return
-        if not self.stack or self.stack[-1] != tag:
-            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
-            return
-        self.stack.pop()
-
-    def handle_data(self, data):
-        if self.stack and self.stack[-1] == "title":
-            self.titles.append(data)
-
-    def find(self, tag: str, cls: str | None = None) -> list[dict]:
-        return [a for t, a in self.tags if t == tag and (cls is None or a.get("class") == cls)]
 
 
 def test_report_html_from_a_run_with_three_crashes(opened, run):

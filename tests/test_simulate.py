@@ -9,6 +9,7 @@ import pytest
 from orchestrator.loop import preflight
 from orchestrator.domain import simulate as S
 from orchestrator.domain import simulate_report as R
+from orchestrator.domain import slow_schedule as SS
 from orchestrator.config.recipe import SupervisorSection
 from orchestrator.domain.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate
 
@@ -331,3 +332,99 @@ def test_simulate_command(tmp_path):
     for bad in (["--save-steps", "0"], ["--crash-rate", "-1"], ["--write-gib-s", "0"], ["--startup-s", "0"]):
         r = CliRunner().invoke(main, ["simulate", *bad])
         assert r.exit_code == 2 and "error" in r.output
+
+
+# --- issue 23: slowdowns (slow_schedule.py), `simulate --slowdown` ------------------------------------
+SLOW = replace(Scenario(name="slow", total_steps=4000), slowdowns=((0.2, 0.5),))
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("0.1:0.66", (0.1, 0.66)), ("1:0.5", (1.0, 0.5)), ("0.05:1", (0.05, 1.0)),
+    ("0.1", None), ("0:0.5", None), ("1.5:0.5", None), ("0.1:0", None), ("0.1:1.2", None), ("a:b", None),
+    ("0.1:0.5:2", None), ("", None),
+])
+def test_parse_slowdown(text, expect):
+    if expect is None:
+        with pytest.raises(ValueError, match="SHARE:SPEED"):
+            SS.parse_slowdown(text)
+    else:
+        assert SS.parse_slowdown(text) == expect
+
+
+def test_slow_schedule_is_seeded_per_hour_and_wall_inverts_steps():
+    a, b = SS.SlowSchedule(((0.3, 0.5),), seed=4), SS.SlowSchedule(((0.3, 0.5),), seed=4)
+    assert [b.hour_speed(h) for h in range(200)][::-1] == [a.hour_speed(h) for h in range(199, -1, -1)]
+    share = sum(a.hour_speed(h) < 1 for h in range(2000)) / 2000
+    assert share == pytest.approx(0.3, abs=0.04)
+    for t0, n in ((0.0, 1000), (1234.5, 7777.3), (50_000.0, 3)):
+        w = a.wall(t0, n, 18.0)
+        assert w >= n * 18.0 and a.steps_in(t0, t0 + w, 18.0) == pytest.approx(n)
+    assert SS.SlowSchedule().wall(10.0, 5, 2.0) == 10.0 and SS.SlowSchedule().restart_step(0, 0, 1e9, 1, 10, 1.5, 60, 0) is None
+
+
+def test_detection_needs_the_ratio_the_window_and_the_hour_limit():
+    s = SS.SlowSchedule(((1.0, 0.5),))   # every hour at half speed
+    assert s.detection(100.0, 10_000.0, 1.5, 720.0, -math.inf) == 820.0
+    assert s.detection(100.0, 800.0, 1.5, 720.0, -math.inf) is None          # the attempt ends first
+    assert s.detection(100.0, 10_000.0, 1.5, 720.0, 5000.0) == 5000.0        # restarted within the hour
+    assert SS.SlowSchedule(((1.0, 0.7),)).detection(0.0, 1e6, 1.5, 720.0, -math.inf) is None  # 1.43x: not told
+    s.clear(1000.0)                                                          # a restart fixed hour 0
+    assert s.detection(1000.0, 10_000.0, 1.5, 720.0, -math.inf) == 3600.0 + 720.0
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("sc", [SLOW, replace(SLOW, on_slowdown="restart"), replace(HARSH, slowdowns=((0.1, 0.66),),
+                                                                                    on_slowdown="restart")],
+                         ids=["warn", "restart", "harsh restart"])
+def test_slowdowns_are_charged_once(sc, loop):
+    for seed in range(3):
+        r = simulate(sc, loop, seed)
+        assert r.completed and r.productive_s == pytest.approx(sc.ideal_s)
+        assert r.productive_s + sum(r.lost.values()) == pytest.approx(r.wall_s)
+        assert sum(r.by_class.values()) == pytest.approx(sum(r.lost.values()))
+        assert r.lost["slow"] > 0
+
+
+def test_without_slowdowns_nothing_is_slow():
+    for loop in LOOPS:
+        assert simulate(HARSH, loop, 3).lost["slow"] == 0
+        assert simulate(replace(HARSH, on_slowdown="restart"), loop, 3) == simulate(HARSH, loop, 3)
+
+
+def test_the_plain_loop_and_warn_train_through_it_at_its_speed():
+    # no crashes, no save cost: 20 % of the hours at half speed make their steps twice as long
+    plain, warn = simulate(SLOW, "plain", 1), simulate(SLOW, "orchestrator", 1)
+    assert plain.lost["slow"] == pytest.approx(warn.lost["slow"], rel=0.05)
+    slow_hours = sum(SS.SlowSchedule(SLOW.slowdowns, 1).hour_speed(h) < 1 for h in range(int(plain.wall_s // 3600) + 1))
+    assert 0 < plain.lost["slow"] <= slow_hours * 3600 / 2 + 1
+    assert warn.slow_restarts == 0 and plain.slow_restarts == 0
+
+
+def test_restart_pays_when_it_fixes_and_costs_when_it_does_not():
+    seeds = range(8)
+    warn = S.summarize([simulate(SLOW, "orchestrator", s) for s in seeds]).ratio
+    fixes = [simulate(replace(SLOW, on_slowdown="restart", slow_restart_fixes=1.0), "orchestrator", s) for s in seeds]
+    never = S.summarize([simulate(replace(SLOW, on_slowdown="restart", slow_restart_fixes=0.0, startup_s=600),
+                                  "orchestrator", s) for s in seeds]).ratio
+    assert S.summarize(fixes).ratio > warn > never
+    for r in fixes:   # at most one restart per hour of wall time
+        assert 0 < r.slow_restarts <= r.wall_s / 3600 + 1
+        assert r.by_class.get("slowdown_restart", 0) > 0   # its exits and start-ups, charged to it
+
+
+def test_simulate_command_slowdown():
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from orchestrator.ops.cli import main
+    args = ["simulate", "--seeds", "3", "--json", "--slowdown", "0.1:0.66", "--slowdown", "0.05:0.3"]
+    d = _json.loads(CliRunner().invoke(main, args + ["--on-slowdown", "restart"]).output)
+    assert d["inputs"]["slowdowns"] == [[0.1, 0.66], [0.05, 0.3]] and d["inputs"]["on_slowdown"] == "restart"
+    assert d["plain"]["lost"]["slow"] > 0 and d["orchestrator"]["lost"]["slow"] > 0
+    text = CliRunner().invoke(main, ["simulate", "--seeds", "2", "--slowdown", "0.1:0.66"]).output
+    assert "10% of hours at 0.66x speed" in text and "nothing notices" in text and "on_slowdown warn" in text
+    for bad in (["--slowdown", "0.1"], ["--slowdown", "0.7:0.5", "--slowdown", "0.5:0.5"],
+                ["--on-slowdown", "stop"]):
+        r = CliRunner().invoke(main, ["simulate", *bad])
+        assert r.exit_code == 2 and ("error" in r.output.lower()), r.output

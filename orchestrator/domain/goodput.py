@@ -20,6 +20,9 @@ Definitions (after Google's ml-goodput-measurement; see shared/research/anchors.
     hang           last logged step -> hang detection (the trainer was alive but not advancing)
     cleanup        hang detection -> process exit, plus recorded kill / GPU-verification spans
     wait           recorded settle waits (wait_s, NCCL settle), crash-loop backoff, disk-space waits
+    slow           recorded spans of kind "slow" (throughput_drop -> throughput_recovered, or the attempt's
+                   end): training below the attempt's baseline speed. Taken out of productive time only:
+                   a slow stretch later lost to a crash is lost_progress already, never counted twice
     other          time in the window that no span covers (supervisor down, pre-flight, gaps)
 
 An attempt's `last_checkpoint_at` must be the save time of the newest checkpoint from that attempt
@@ -35,7 +38,7 @@ from orchestrator.types import TERMINAL_STATES, Attempt, State
 
 PRODUCTIVE = "productive"
 # Label values of orchestrator_lost_seconds_total{cause}; the order is the display order.
-LOST_CAUSES: tuple[str, ...] = ("startup", "lost_progress", "wait", "hang", "cleanup", "other")
+LOST_CAUSES: tuple[str, ...] = ("startup", "lost_progress", "wait", "hang", "cleanup", "slow", "other")
 # Span kinds the supervisor may record, and the cause each one is charged to.
 KIND_CAUSE: dict[str, str] = {
     "startup": "startup",
@@ -46,7 +49,9 @@ KIND_CAUSE: dict[str, str] = {
     "cleanup": "cleanup",
     "verify": "cleanup",
     "restore": "startup",     # copying the newest published checkpoint back onto a new machine
+    "slow": "slow",           # overlays productive time (summarize), unlike the others
 }
+SLOW = "slow"
 KINDS = frozenset({PRODUCTIVE, *KIND_CAUSE})
 
 
@@ -142,22 +147,38 @@ def account(
 
 
 def summarize(spans: Sequence[Span], lo: float, hi: float) -> Goodput:
-    """Charge each second of [lo, hi] to at most one span (earliest start wins); rest is `other`."""
+    """Charge each second of [lo, hi] to at most one span (earliest start wins); rest is `other`. Then
+    the productive seconds that a `slow` span covers are charged to `slow` instead."""
     lost = dict.fromkeys(LOST_CAUSES, 0.0)
     productive = 0.0
+    charged: list[tuple[float, float]] = []   # the productive seconds, as intervals in order
     cursor = lo
-    for s in sorted(spans, key=lambda s: (s.start, s.end)):
+    for s in sorted((s for s in spans if s.kind != SLOW), key=lambda s: (s.start, s.end)):
         a, b = max(s.start, cursor, lo), min(s.end, hi)
         if b <= a:
             continue
         if s.kind == PRODUCTIVE:
             productive += b - a
+            charged.append((a, b))
         else:
             lost[KIND_CAUSE[s.kind]] += b - a
         cursor = b
+    lost[SLOW] = _covered(charged, [(s.start, s.end) for s in spans if s.kind == SLOW])
+    productive -= lost[SLOW]
     total = hi - lo
     lost["other"] = max(0.0, total - productive - sum(v for k, v in lost.items() if k != "other"))
     return Goodput(total, productive, lost, productive / total if total > 0 else 0.0)
+
+
+def _covered(intervals: Sequence[tuple[float, float]], cover: Iterable[tuple[float, float]]) -> float:
+    """Seconds of the (disjoint) `intervals` inside the union of `cover` (which may overlap)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(cover):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        elif b > a:
+            merged.append([a, b])
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in intervals for c, d in merged)
 
 
 # ------------------------------------------------------------------------------------------ from the journal

@@ -21,6 +21,8 @@ of crashes, hangs, stale GPU holders and rendezvous-port collisions. Two ways of
                  until they die), and a NaN loss trains on until a person notices (`plain_nan_notice_s`).
 
 Both resume from the newest checkpoint (every `save_steps` steps): the steps since it are lost.
+Slow hours (`slowdowns`; slow_schedule.py says what each loop does about them) charge the time beyond the
+baseline speed to "slow"; the orchestrator with on_slowdown = "restart" stops at the next save and relaunches.
 
 Each second of wall time is charged to one kind (see KINDS), and each lost second also to the crash
 class that caused it (`by_class`; the first start is "initial_start", checkpoint writes are
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.domain.interval import Evidence, choose
 from orchestrator.domain.policy import History, decide, hang_timeout, next_history
+from orchestrator.domain.slow_schedule import SlowSchedule
 from orchestrator.config.schema import SupervisorSection
 from orchestrator.types import Action, Crash, CrashClass, Phase
 
@@ -56,7 +59,7 @@ HOUR = 3600.0
 LOOPS = ("orchestrator", "plain")
 # Every second of wall time goes to exactly one of these.
 KINDS = ("productive", "checkpoint", "startup", "lost_progress", "hang", "cleanup", "wait", "gpu_busy",
-         "failed_launch", "gave_up")
+         "failed_launch", "gave_up", "slow")
 # Classes that strike while training (per step / per hour); cold_start_oom and port_in_use arise at launch.
 TRAINING_CLASSES = (CrashClass.FLA_BACKWARD_OOM, CrashClass.OOM_DURING_TRAINING, CrashClass.NCCL_ERROR,
                     CrashClass.NCCL_TIMEOUT_HANG, CrashClass.CUDA_FATAL, CrashClass.HOST_OOM_KILLED,
@@ -99,6 +102,11 @@ class Scenario:
     plain_hang_s: float = 6 * HOUR     # a hang in the plain loop: until a person notices
     plain_nan_notice_s: float = 6 * HOUR
     gave_up_response_s: float = 2 * HOUR  # orchestrator exit 3 (alerted) -> a person restarts it
+    slowdowns: tuple[tuple[float, float], ...] = ()  # (share of hours, speed x the baseline): slow_schedule.py
+    on_slowdown: str = "warn"          # orchestrator: health.on_slowdown ("warn" | "restart")
+    slow_ratio: float = 1.5            # health.slowdown_ratio: a step this much slower is told from noise
+    slow_detect_s: float = 720.0       # onset -> throughput_drop: health.slowdown_window_s + the measuring window
+    slow_restart_fixes: float = 0.5    # P(a restart clears the slowdown for the rest of its hour)
 
     def p_step(self, cls: CrashClass) -> float:
         return self.per_step.get(cls.value, 0.0) + self.per_hour.get(cls.value, 0.0) * self.step_s / HOUR
@@ -118,6 +126,7 @@ class Result:
     by_class: dict[str, float] = field(default_factory=dict)
     crashes: Counter = field(default_factory=Counter)
     launches: int = 0
+    slow_restarts: int = 0
     gave_up: int = 0
     completed: bool = False
     intervals: list[int] = field(default_factory=list)  # the save interval of each launch that trained
@@ -198,6 +207,7 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
     nan_at: int | None = None     # a NaN that recurs at this step after a resume
     saved_since_launch = False
     max_wall = max_wall_factor * sc.ideal_s
+    slow, last_restart = SlowSchedule(sc.slowdowns, seed), -math.inf
 
     def interval_now() -> int:
         if fixed != "auto":
@@ -272,9 +282,24 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
         if nan_at is not None and nan_at - ckpt < min(steps, left):
             steps, cls = nan_at - ckpt, CrashClass.NAN_LOSS
         nan_at = None
+        t0 = clk.t
+        stop = slow.restart_step(t0, ckpt, min(steps, left), dt, k, sc.slow_ratio, sc.slow_detect_s,
+                                 last_restart + HOUR) if orch and sc.on_slowdown == "restart" else None
+        if stop is not None:  # throughput_drop: a graceful stop at the next save, then a relaunch
+            clk.cause = "slowdown_restart"
+            clk.charge("productive", (stop - ckpt) * dt)
+            clk.charge("slow", slow.wall(t0, stop - ckpt, dt) - (stop - ckpt) * dt, "slowdown")
+            clk.charge("checkpoint", (stop // k - ckpt // k) * save_cost(k), "checkpoint_saves")
+            clk.charge("cleanup", sc.exit_s)
+            if slow.rng.random() < sc.slow_restart_fixes:
+                slow.clear(clk.t)
+            last_restart, ckpt = clk.t, stop
+            res.slow_restarts += 1
+            continue
         if steps >= left:  # completes
             saves = (sc.total_steps - 1) // k - ckpt // k  # the last step needs no resume point
             clk.charge("productive", left * dt)
+            clk.charge("slow", slow.wall(t0, left, dt) - left * dt, "slowdown")
             clk.charge("checkpoint", saves * save_cost(k) + (sc.final_export_s if orch else 0.0), "checkpoint_saves")
             ckpt = sc.total_steps
             res.completed = True
@@ -291,7 +316,10 @@ def simulate(sc: Scenario, loop: str, seed: int = 0, supervisor: SupervisorSecti
         exposed_s += (crash_step - ckpt) * dt + saves * save_cost(k)
         clk.charge("productive", (new_ckpt - ckpt) * dt)
         clk.charge("checkpoint", saves * save_cost(k), "checkpoint_saves")
-        clk.charge("lost_progress", (crash_step - new_ckpt + rng.random()) * dt)
+        frac = rng.random()
+        clk.charge("lost_progress", (crash_step - new_ckpt + frac) * dt)
+        trained = crash_step - ckpt + frac
+        clk.charge("slow", slow.wall(t0, trained, dt) - trained * dt, "slowdown")
         saved_since_launch = new_ckpt > ckpt
         if cls is CrashClass.NCCL_TIMEOUT_HANG:
             if orch:  # no new step within the hang timer (policy.hang_timeout); stacks; SIGTERM, grace_s, SIGKILL

@@ -64,6 +64,8 @@ class Inputs:
     startup_ratio: float = DEFAULT_STARTUP_RATIO
     crash_rate_per_h: float | None = None           # None: the mix's own rates
     hang: Literal["adaptive", "fixed"] = "adaptive"  # supervisor.hang: the orchestrator's hang timer
+    slowdowns: tuple[tuple[float, float], ...] = ()  # --slowdown SHARE:SPEED (slow_schedule.py)
+    on_slowdown: Literal["warn", "restart"] = "warn"  # health.on_slowdown: the orchestrator's answer
     source: str = "shipped qwen3.5-397b-a17b-lora-ep8 recipe"
 
     def as_dict(self) -> dict:
@@ -72,6 +74,9 @@ class Inputs:
         d["orch_background_s"] = self.orch_background_s
         d["d2h_bytes_per_s"] = D2H_BYTES_PER_S  # async_save: per GPU, staging the shards in host memory
         d["final_export_s"] = self.orch_final_bytes / self.write_bytes_per_s
+        d["slowdowns"] = [list(x) for x in self.slowdowns]
+        sc = Scenario()
+        d["slow_detect_s"], d["slow_restart_fixes"] = sc.slow_detect_s, sc.slow_restart_fixes
         return d
 
     @property
@@ -113,7 +118,8 @@ def priced(mix: Scenario, i: Inputs = Inputs()) -> Scenario:
     sc = at_crash_rate(mix, i.crash_rate_per_h) if i.crash_rate_per_h is not None else mix
     return replace(sc, save_steps=i.save_steps, save_s=i.orch_save_s, save_bg_s=i.orch_background_s, final_export_s=i.orch_final_bytes / i.write_bytes_per_s,
                    plain_save_steps=i.plain_save_steps, plain_save_s=i.plain_save_s, plain_wait_s=i.plain_wait_s,
-                   ready_s=i.ready_s, startup_s=i.startup_s, startup_ratio=i.startup_ratio)
+                   ready_s=i.ready_s, startup_s=i.startup_s, startup_ratio=i.startup_ratio, slowdowns=i.slowdowns,
+                   on_slowdown=i.on_slowdown)
 
 
 def ett_report(mix: Scenario, i: Inputs = Inputs(), seeds: int = 200) -> dict:
@@ -172,4 +178,11 @@ def format_report(d: dict) -> str:
               f"  plain loop:   {i['plain_save_bytes'] / GIB:,.1f} GiB per save (the field's command: the merged copy "
               f"at every save) at {speed:g} GiB/s = {i['plain_save_s']:.0f} s; every {i['plain_save_steps']} steps; "
               f"`sleep {i['plain_wait_s']:g}`; no hang detection; start-up {i['startup_s']:g} s"]
+    if i["slowdowns"]:
+        slow = ", ".join(f"{f:.0%} of hours at {v:g}x speed" for f, v in i["slowdowns"])
+        answer = ("a graceful stop at the next save and a relaunch (at most one an hour; it clears the slowdown "
+                  f"for the rest of the hour with probability {i['slow_restart_fixes']:g})"
+                  if i["on_slowdown"] == "restart" else "a warning: it trains on")
+        lines.append(f"  slowdowns:    {slow}; plain loop: nothing notices; orchestrator (on_slowdown "
+                     f"{i['on_slowdown']}): throughput_drop {i['slow_detect_s']:g} s after the onset, then {answer}")
     return "\n".join(lines)

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from orchestrator.host import evidence, gpu, pagecache, shm
+from orchestrator.host import evidence, gpu, pagecache, shm, slowdown_evidence
 from orchestrator.host.launch import local as launcher
 from orchestrator.host.probe import free_gib, port_free
-from orchestrator.types import Command, ExitStatus, GpuSnapshot, SystemEvidence
+from orchestrator.types import Command, ExitStatus, GpuSnapshot, SlowdownEvidence, SystemEvidence
 
 
 class Trainer(Protocol):
@@ -85,6 +85,10 @@ class Host(Protocol):
     def evidence(self, trainer: Trainer, paths: dict[str, str], port: int | None) -> SystemEvidence:
         """At the crash: kernel OOM kills of the run's processes since launch, cgroup oom_kill, Xid/ECC on the
         run's GPUs, free space of `paths` (role -> path), the owner of `port` (None: not asked). Never raises."""
+    def slowdown_evidence(self, trainer: Trainer) -> SlowdownEvidence:
+        """At a throughput drop: the run's GPUs (clocks, throttle reasons, temperature, power, ECC, PCIe
+        replays, Xids), host CPU busy/steal/iowait, memory pressure and swap, the trainer's cgroup CPU
+        throttling. Blocks about half a second (rates need two reads). Never raises."""
 
 
 class LocalHost:
@@ -205,3 +209,23 @@ class LocalHost:
         disks, why = evidence.disk_space(paths)
         owners, why_port = evidence.port_owners(port) if port is not None else ([], [])
         return SystemEvidence(disks=tuple(disks), port_owners=tuple(owners), unavailable=(missing, *why, *why_port))
+
+    def slowdown_evidence(self, trainer: launcher.Launched) -> SlowdownEvidence:
+        watch = self.watches.get(trainer.pid)
+        nvml = watch.nvml if watch is not None else None
+        gpus, why = None, "no evidence watch for this attempt"
+        if watch is not None and nvml is None:
+            why = next((w.split(": not available: ", 1)[-1] for w in watch.unavailable if w.startswith("NVML")),
+                       "not read")
+        elif nvml is not None and nvml.error:
+            why = nvml.error.split(": not available: ", 1)[-1]
+        elif nvml is not None:
+            try:
+                gpus = slowdown_evidence.gpu_health(nvml.nv, nvml.handles, list(nvml.xids))
+            except Exception as e:  # evidence must never cost the run
+                why = repr(e)
+        try:
+            pids = [p.pid for p in launcher.tree(trainer.pid)] or [trainer.pid]
+            return slowdown_evidence.read(pids, gpus=gpus, gpu_why=why)
+        except Exception as e:
+            return SlowdownEvidence(time.time(), unavailable=(f"slowdown evidence: not available: {e!r}",))

@@ -351,15 +351,20 @@ def install_service_cmd(recipe: Path, name: str | None, dry_run: bool, unit_dir:
 @click.option("--startup-ratio", type=float, default=1.0, show_default=True,
               help="The orchestrator's relaunch start-up / the first one's, as measured (1: the same each time).")
 @click.option("--seeds", type=int, default=200, show_default=True)
+@click.option("--slowdown", "slowdowns", multiple=True, metavar="SHARE:SPEED",
+              help="SHARE of the hours (0-1] at SPEED x the baseline (0-1], e.g. 0.1:0.66; repeatable.")
+@click.option("--on-slowdown", type=click.Choice(["warn", "restart"]), default="warn", show_default=True,
+              help="The orchestrator's health.on_slowdown in the simulation.")
 def simulate(recipe: Path | None, overrides: tuple[str, ...], as_json: bool, mix: str, crash_rate: float | None,
              save_steps: str | None, write_gib_s: float, ready_s: float | None, fixed_wait: bool,
-             startup_s: float, startup_ratio: float, seeds: int) -> None:
+             startup_s: float, startup_ratio: float, seeds: int, slowdowns: tuple[str, ...], on_slowdown: str) -> None:
     """ETT of a long run kept alive by the orchestrator vs the field's plain restart loop (a seeded model).
 
     Save cost from RECIPE's storage budget (default: the shipped Qwen3.5-397B recipe's numbers) at
     --write-gib-s; the plain loop is the field's procedure: the merged copy at every save, every 100
     steps, `sleep 90`, no hang detection."""
     from orchestrator.domain import simulate_report as S
+    from orchestrator.domain.slow_schedule import check_slowdowns, parse_slowdown
     from orchestrator.ops.plan import simulate_inputs
 
     if save_steps is not None and save_steps != "auto" and not (save_steps.isdigit() and int(save_steps) > 0):
@@ -368,9 +373,14 @@ def simulate(recipe: Path | None, overrides: tuple[str, ...], as_json: bool, mix
                     ("--startup-s", startup_s), ("--startup-ratio", startup_ratio), ("--seeds", seeds)):
         if v is not None and (v < 0 or (v == 0 and name != "--crash-rate" and name != "--ready-s")):
             fail(f"{name} must be {'>= 0' if name in ('--crash-rate', '--ready-s') else '> 0'}, got {v}")
-    given = {"write_bytes_per_s": write_gib_s * 2**30, "crash_rate_per_h": crash_rate, "startup_s": startup_s,
-             "startup_ratio": startup_ratio,
-             "ready_s": None if fixed_wait else (S.DEFAULT_READY_S if ready_s is None else ready_s)}
+    try:
+        slow = tuple(parse_slowdown(x) for x in slowdowns)
+        check_slowdowns(slow)
+    except ValueError as e:
+        fail(str(e))
+    given: dict = {"write_bytes_per_s": write_gib_s * 2**30, "crash_rate_per_h": crash_rate, "startup_s": startup_s,
+                   "startup_ratio": startup_ratio, "slowdowns": slow, "on_slowdown": on_slowdown,
+                   "ready_s": None if fixed_wait else (S.DEFAULT_READY_S if ready_s is None else ready_s)}
     if recipe is not None:
         given |= simulate_inputs(load_recipe(recipe, overrides))
     steps = save_steps or given.pop("recipe_save_steps", "auto")

@@ -28,7 +28,7 @@ HEALTH_COLORS = {
     "checkpoint_nonfinite": "#8c564b",
 }
 CAUSE_COLORS = {"productive": "#2e9d5b", "startup": "#f2c14e", "lost_progress": "#e4572e", "wait": "#9aa5b1",
-                "hang": "#8e44ad", "cleanup": "#3a86ff", "other": "#d0d0d0"}
+                "hang": "#8e44ad", "cleanup": "#3a86ff", "slow": "#c9a227", "other": "#d0d0d0"}
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px auto;max-width:1000px;

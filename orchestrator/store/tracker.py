@@ -1,6 +1,7 @@
 """The run's checkpoints as the supervisor tracks them: each verified once as it appears (the checkpoint_invalid
 alert raised at once when bad, cleared when a newer one verifies ok), manifests hashed off the loop, NaN-poisoned
-ones quarantined, and the resume point chosen."""
+ones quarantined, stale or non-finite ones (store/checkpoint_health.py, checked after the manifest on the same
+thread) moved out of the resume path, and the resume point chosen."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from orchestrator.store import checkpoints, manifest
+from orchestrator.store import checkpoint_health, checkpoints, manifest
 from orchestrator.domain import retention
 from orchestrator.store.checkpoints import step_of
 from orchestrator.host.journal import Journal
@@ -40,10 +41,12 @@ class CheckpointTracker:
         lora = recipe.lora
         self.expect = checkpoints.LoraExpect(lora.rank, lora.alpha, tuple(lora.target_modules))
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
+        self.health = checkpoint_health.CheckpointHealth(out)
         for left in out.glob(f"{PRUNING}*"):  # a supervisor killed mid-delete: finish what it had decided
             shutil.rmtree(left, ignore_errors=True)
 
     def scan(self, now: float) -> None:
+        self.apply_health()
         unchanged = {p for p, m in self.stale.items() if _marker_mtime(Path(p)) == m}
         for info in checkpoints.discover(self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys() | unchanged):
             if not info.complete:
@@ -59,7 +62,7 @@ class CheckpointTracker:
                 self.journal.event("checkpoint", f"verified {Path(info.path).name}")
                 if manifest.read_manifest(info.path) is None:
                     self._hash(info.path, info.step, info.loss)
-                else:
+                else:  # hashed and health-checked by an earlier supervisor (the same job writes both)
                     self.on_saved()
             else:
                 self.metrics.checkpoint_invalid()
@@ -68,12 +71,58 @@ class CheckpointTracker:
     def _hash(self, path: str, step: int, loss: float | None) -> None:
         """The manifest, off the loop (hashing a large checkpoint takes minutes). One that fails (a full
         disk refuses even a small JSON) is retried by retry_manifests(), never left out for good."""
+        def job() -> None:
+            manifest.write_manifest(path, step, self.hash, loss)
+            self._check_health(path, step)
+
         def done(f) -> None:
             if f.exception() is not None:
                 self.unhashed[path] = (step, loss)
-            self.on_saved()
+            self._saved_unless_unhealthy(path)
         self.unhashed.pop(path, None)
-        self.hasher.submit(manifest.write_manifest, path, step, self.hash, loss).add_done_callback(done)
+        self.hasher.submit(job).add_done_callback(done)
+
+    def _check_health(self, path: str, step: int) -> None:
+        """checkpoint_health's checks, on the manifest thread; what they find waits for apply_health()."""
+        try:
+            self.health.check(path, step)
+        except Exception:  # a bug in a check must not cost the manifest or the run: the checkpoint stays usable
+            pass
+
+    def _saved_unless_unhealthy(self, path: str) -> None:
+        """Wake the publisher, unless the checkpoint was just found unhealthy (it is about to be moved)."""
+        if not any(f.path == path for f in self.health.peek()):
+            self.on_saved()
+
+    def apply_health(self) -> None:
+        """Each checkpoint the health checks found stale (checkpoint_unchanged) or non-finite
+        (checkpoint_nonfinite): moved out of the checkpoint-N namespace (so no resume, retention or
+        publication takes it; the bytes stay for a person), recorded not ok, the checkpoint_invalid alert
+        raised when it is the newest, and the event journaled with its numbers. One the publisher is copying
+        right now waits for the next pass."""
+        later = []
+        for f in self.health.take():
+            d = Path(f.path)
+            with self.in_flight.lock:
+                if self.in_flight.path == f.path:
+                    later.append(f)
+                    continue
+                if not d.is_dir():  # pruned or quarantined meanwhile
+                    continue
+                target = checkpoint_health.unhealthy_name(d, f.kind)
+                d.rename(target)
+            merged = d.with_name(checkpoints.merged_name(d.name))
+            if merged.is_dir():
+                merged.rename(checkpoint_health.unhealthy_name(merged, f.kind))
+            self.seen.pop(f.path, None)
+            self.journal.record_checkpoint(f.step, f.path, False, f.problems, None, self.hash)
+            self._verdict(f.step, False, f.problems)
+            self.metrics.checkpoint_invalid()
+            self.journal.event(f.kind, f"{f.problems[0]}; moved to {target.name}", **f.data)
+            link = self.out / "last-checkpoint"
+            if os.path.islink(link) and os.readlink(link).rstrip("/").endswith(d.name):
+                self._repoint_last_checkpoint(f.step)
+        self.health.keep(later)
 
     def retry_manifests(self) -> None:
         for path, (step, loss) in list(self.unhashed.items()):
@@ -221,6 +270,7 @@ class CheckpointTracker:
 
     def close(self) -> None:
         self.hasher.shutdown(wait=True)  # manifests first: the final sync publishes what they describe
+        self.apply_health()
 
 
 def _mtime(path: str, default: float) -> float:

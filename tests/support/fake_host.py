@@ -10,7 +10,8 @@ import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator.types import Command, DiskSpace, ExitStatus, GpuInfo, GpuProcess, GpuSnapshot, SystemEvidence
+from orchestrator.types import (Command, DiskSpace, ExitStatus, GpuInfo, GpuProcess, GpuSnapshot, SlowdownEvidence,
+                                SystemEvidence)
 
 T0 = 1_700_000_000.0
 MIB = 1024**2
@@ -57,6 +58,7 @@ class FakeHost:
     shm: dict[str, list[int]] = field(default_factory=dict)        # the run's NCCL segments -> pids mapping them
     warming: list[Path] | None = None                              # files being read into the page cache
     system: SystemEvidence | None = None   # scripted evidence at the crash (disks follow `free` unless given)
+    slowdown: SlowdownEvidence | None = None   # scripted evidence at a throughput drop
 
     # --- clock
     def now(self) -> float:
@@ -193,3 +195,7 @@ class FakeHost:
             s = replace(s, disks=tuple(DiskSpace(role, p, int(self.free * GIB), 2000 * GIB, 10**6)
                                        for role, p in paths.items()))
         return s
+
+    def slowdown_evidence(self, trainer: FakeTrainer) -> SlowdownEvidence:
+        self.calls.append(("slowdown_evidence", trainer.pid))
+        return self.slowdown or SlowdownEvidence(self.now(), unavailable=("NVML: not available: fake host",))

@@ -25,6 +25,8 @@ Environment:
   FAKE_LAUNCHER     worker (default: die like the failing rank, crash_texts.exit_status) | torchrun (exit
                     like torchrun/the `megatron` wrapper: 1 for every worker failure, host_oom_killed too)
   FAKE_EXIT_AFTER_STEP=N   stop cleanly (exit 0, end-of-run records) after step N although N < max
+  FAKE_STALE_SAVE=N the save at step N writes the previous checkpoint's weight bytes (adapter safetensors,
+                    mcore shards) under the new step, as an async writer's cached copy did (NeMo-RL #3312)
   FAKE_REJECT_FLAGS comma list of flag names; if one is passed: `ValueError: remaining_argv: [...]`, exit 1
   FAKE_FORMAT       dict (default: ms-swift 4.x, the stdout dict and logging.jsonl) | pipe (megatron backend: what
                     ms-swift 3.x's Megatron backend prints, release/3.12 trainers/base.py training_log: Megatron-LM's
@@ -143,6 +145,7 @@ class Fake:
         self.step_s = float(env("FAKE_STEP_S", "0.01"))
         self.shard_bytes = int(float(env("FAKE_SHARD_MB", "0")) * (1 << 20))
         self.exit_after = int(env("FAKE_EXIT_AFTER_STEP") or 0)
+        self.stale_save = int(env("FAKE_STALE_SAVE") or 0)
         self.torchrun_exit = env("FAKE_LAUNCHER", "worker") == "torchrun"
         fmt = env("FAKE_FORMAT", "dict")
         if fmt not in ("dict", "pipe") or (fmt == "pipe" and not self.meg):
@@ -469,12 +472,29 @@ class Fake:
                            "best_model_checkpoint": None, "log_history": self.log_history}, f, indent=2)
             torch_save(os.path.join(d, "training_args.bin"), {"output_dir": self.out})
             info(f"Saving model checkpoint to {d}")
+        if step == self.stale_save:
+            self.stale_copy(d, step)
         link = os.path.join(self.out, "last-checkpoint")
         if os.path.lexists(f"{link}.tmp"):
             os.remove(f"{link}.tmp")
         os.symlink(os.path.basename(d), f"{link}.tmp")
         os.replace(f"{link}.tmp", link)
         self.last_ckpt = d
+
+    def stale_copy(self, d: str, step: int) -> None:
+        """Overwrite this save's weight files with the previous checkpoint's bytes (its shards' iter_ directory
+        renamed to this step's): complete and verifiable, but stale."""
+        steps = [int(n[11:]) for n in os.listdir(self.out) if n.startswith("checkpoint-") and n[11:].isdigit()]
+        prev = max((s for s in steps if s < step), default=None)
+        if prev is None:
+            return
+        pd = os.path.join(self.out, f"checkpoint-{prev}")
+        for root, _dirs, files in os.walk(pd):
+            for fn in files:
+                if fn.endswith((".safetensors", ".distcp")):
+                    rel = os.path.relpath(os.path.join(root, fn), pd).replace(f"iter_{prev:07d}", f"iter_{step:07d}")
+                    with open(os.path.join(root, fn), "rb") as src, open(os.path.join(d, rel), "wb") as dst:
+                        dst.write(src.read())
 
     def finish(self, step: int) -> None:
         if self.pipe:  # Megatron-LM's end of train(); ms-swift 3.x megatron logs no last_model_checkpoint

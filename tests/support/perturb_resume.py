@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """An entrypoint wrapper that makes a resume load wrong weights although the checkpoint verifies, as the field's
 resume-path bug did ("appeared to load but the weights were incorrectly reassembled"). For the real-swift e2e
-of issue 23 (item 2): `run.entrypoint = [python, tests/perturb_resume.py, --, swift]`.
+of issue 23 (item 2): `run.entrypoint = [python, tests/support/perturb_resume.py, --, swift]`.
 
 When the trainer's argv resumes from a checkpoint (`--resume_from_checkpoint`, `--mcore_adapter`, `--adapters`),
 the wrapper copies that checkpoint to a scratch directory, perturbs the LoRA tensors of the copy's
