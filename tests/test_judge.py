@@ -6,8 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.loop.running import (Crashed, ExportExited, Keep, Observation, ResumeDiverged, StopRequested,
-                                       TrainingOver, judge)
+from orchestrator.domain.health_action import HealthAction
+from orchestrator.loop.health import HealthSeen
+from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, Observation, ResumeDiverged,
+                                       RolledBack, SlowRestart, StopRequested, TrainingOver, judge)
 from orchestrator.types import AttemptKind, CrashClass, ExitStatus, Phase
 
 QUIET = Observation(now=1000.0, exit=None, kind=AttemptKind.TRAIN, phase=Phase.TRAINING, last_step=5)
@@ -24,6 +26,10 @@ STOP = {"stop_requested": True}
 FULL = {"disk_full": "/out: 0.1 GiB free"}
 DIVERGED = {"resume_divergence": "loss 9.0 at step 11, 1.0 before"}
 HANG = {"hang": "no new training step for 700 s"}
+ROLLBACK_ACTION = HealthAction("rollback", "loss_divergence: ...; rolling back to checkpoint-10", 10, 14)
+UNHEALTHY = {"health": HealthSeen(stop="loss_divergence: level 4.1 over best 1.2; stopping")}
+ROLLBACK = {"health": HealthSeen(rollback=ROLLBACK_ACTION)}
+SLOW = {"health": HealthSeen(restart="throughput 0.5x of baseline for 600 s; restarting")}
 
 
 def kind_of(v) -> str:
@@ -48,6 +54,10 @@ def kind_of(v) -> str:
     (FULL, "crashed:disk_full"),
     (DIVERGED, "ResumeDiverged"),
     (HANG, "crashed:nccl_timeout_hang"),
+    (UNHEALTHY, "HealthStop"),
+    (ROLLBACK, "RolledBack"),
+    (SLOW, "SlowRestart"),
+    ({"health": HealthSeen(events=())}, "Keep"),          # warnings alone: nothing to act on
 ])
 def test_one_outcome(observed, expected):
     assert kind_of(judge(replace(QUIET, **observed))) == expected
@@ -58,10 +68,16 @@ PRECEDENCE = [("NAN", "EXITED"), ("NAN", "DONE"), ("NAN", "STOP"), ("NAN", "FULL
               ("EXPORT_EXIT", "STOP"), ("TEARDOWN", "STOP"), ("DONE", "STOP"), ("TORN", "STOP"), ("EXITED", "STOP"),
               ("EXITED", "FULL"), ("EXITED", "HANG"), ("EXITED", "DIVERGED"),
               ("STOP", "FULL"), ("STOP", "DIVERGED"), ("STOP", "HANG"),
-              ("FULL", "DIVERGED"), ("FULL", "HANG"), ("DIVERGED", "HANG")]
+              ("FULL", "DIVERGED"), ("FULL", "HANG"), ("DIVERGED", "HANG"),
+              # run health: completion and a NaN outrank it; it outranks a crash (no relaunch into a divergence),
+              # a stop request and a full disk (its finding is reported once: acted on now or never)
+              ("NAN", "UNHEALTHY"), ("DONE", "UNHEALTHY"), ("TEARDOWN", "ROLLBACK"),
+              ("UNHEALTHY", "EXITED"), ("ROLLBACK", "EXITED"), ("UNHEALTHY", "STOP"), ("ROLLBACK", "STOP"),
+              ("UNHEALTHY", "FULL"), ("ROLLBACK", "HANG"), ("DIVERGED", "SLOW"), ("STOP", "SLOW"), ("SLOW", "HANG")]
 ALONE = {"NAN": "crashed:nan_loss", "EXPORT_EXIT": "ExportExited", "TEARDOWN": "TrainingOver",
          "DONE": "TrainingOver", "TORN": "crashed:other", "EXITED": "crashed:classify", "STOP": "StopRequested",
-         "FULL": "crashed:disk_full", "DIVERGED": "ResumeDiverged", "HANG": "crashed:nccl_timeout_hang"}
+         "FULL": "crashed:disk_full", "DIVERGED": "ResumeDiverged", "HANG": "crashed:nccl_timeout_hang",
+         "UNHEALTHY": "HealthStop", "ROLLBACK": "RolledBack", "SLOW": "SlowRestart"}
 
 
 @pytest.mark.parametrize("higher, lower", PRECEDENCE)
@@ -85,3 +101,6 @@ def test_verdicts_carry_what_act_needs():
     assert judge(replace(QUIET, **DIVERGED)) == ResumeDiverged(DIVERGED["resume_divergence"])
     assert judge(replace(QUIET, **STOP)) == StopRequested() and judge(QUIET) == Keep()
     assert judge(replace(QUIET, **EXPORT_EXIT)) == ExportExited()
+    assert judge(replace(QUIET, **ROLLBACK)) == RolledBack(ROLLBACK_ACTION, False)
+    assert judge(replace(QUIET, exit=EXIT1, **UNHEALTHY)) == HealthStop(UNHEALTHY["health"].stop)
+    assert judge(replace(QUIET, **SLOW)) == SlowRestart(SLOW["health"].restart)

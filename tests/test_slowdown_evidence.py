@@ -13,7 +13,7 @@ import pytest
 from orchestrator.host import slowdown_evidence as se
 from orchestrator.host.base import LocalHost
 from orchestrator.host.gpu import NullReader
-from tests.fake_host import FakeHost
+from fake_host import FakeHost
 
 STAT0 = "cpu  1000 0 500 8000 100 0 0 0 0 0\ncpu0 1000 0 500 8000 100 0 0 0 0 0\nintr 1\n"
 STAT1 = "cpu  1300 0 600 8300 200 0 0 100 0 0\ncpu0 1300 0 600 8300 200 0 0 100 0 0\nintr 2\n"

@@ -1,6 +1,6 @@
 """Every rendered command parsed by ms-swift 4.6.0 itself, the way `megatron sft` / `swift sft` parse it.
 
-tests/swift_parse_probe.py runs in a subprocess (its import stubs stay out of this process) and calls
+tests/support/swift_parse_probe.py runs in a subprocess (its import stubs stay out of this process) and calls
 swift.utils.parse_args(MegatronSftArguments | SftArguments, argv): no argv may be left over, and the
 classes' __post_init__ checks run (what the probe stubs, and why, is in its docstring).
 Local paths are real: a model directory with the model's config.json, a dataset file, checkpoint
@@ -31,7 +31,7 @@ if _MISSING:  # pragma: no cover - the test extra installs both
     pytest.skip(f"{' and '.join(_MISSING)} cannot be imported: pip install 'megatron-core>=0.16,<0.20' "
                 "'mcore-bridge>=1.5.0' (scripts/setup.sh --test)", allow_module_level=True)
 
-PROBE = Path(__file__).with_name("swift_parse_probe.py")
+PROBE = Path(__file__).parent / "support" / "swift_parse_probe.py"
 LARGE = {"qwen3.5-397b-a17b-lora-ep8.toml": "qwen3.5-397b-a17b", "qwen3-235b-a22b-lora-ep8.toml": "qwen3-235b-a22b"}
 
 

@@ -65,6 +65,8 @@ class AttemptWatch:
     save_steps: int | None = None              # the interval this attempt was rendered with
     on_cost: Callable[[str, float, dict], None] | None = None  # ("startup" | "save", seconds, details)
     seen: list[tuple[int, float]] = field(default_factory=list)
+    lines_read: list[tuple[str, Progress | None]] = field(default_factory=list)  # the last gather's stdout lines
+    saves_read: list[int] = field(default_factory=list)    # the steps the last gather's save lines named
     saves_pending: set[int] = field(default_factory=set)
     saves: list[float] = field(default_factory=list)
     saves_measured: set[int] = field(default_factory=set)  # a save named again later (`last_model_checkpoint`, an
@@ -90,15 +92,21 @@ class AttemptWatch:
         return self.last.step if self.last else self.good_step_at_launch
 
     def gather(self, now: float, mono: float, drain: bool = False) -> list[Progress]:
-        """Read what is new; returns the new step records (stdout first, then logging.jsonl)."""
+        """Read what is new; returns the new step records (stdout first, then logging.jsonl). The stdout lines
+        read, each with its record, are kept in `lines_read`, and the steps save lines named in `saves_read`,
+        until the next gather (the health detectors read them)."""
         fresh: list[Progress] = []
+        self.lines_read, self.saves_read = [], []
         for line in self.log.lines(None if drain else 8 << 20):
             p = progress.parse_line(line)
+            self.lines_read.append((line, p))
             if p is not None:
                 fresh.append(p)
                 self._check(p, line)
             else:
                 saved = costs.saved_step(line)
+                if saved is not None:
+                    self.saves_read.append(saved)
                 if saved is not None and saved > self.good_step_at_launch and saved not in self.saves_measured:
                     self.saves_pending.add(saved)
         for line in self.jsonl.lines(None if drain else 8 << 20):

@@ -58,9 +58,14 @@ class RunContext:
     def quarantine_nan(self, nan_step: int, attempt_n: int) -> None:
         """Quarantines the checkpoints written at or after a NaN: the local copies first (no publishing round
         can republish one), then the published; the pending mark is cleared after both."""
-        self.checkpoints.quarantine(nan_step, attempt_n)
-        self.publisher.quarantine(nan_step, attempt_n)
+        self.quarantine(nan_step, attempt_n)
         self.journal.put(nan_pending=None)
+
+    def quarantine(self, from_step: int, attempt_n: int, tag: str = "nan", cause: str = "") -> None:
+        """Moves the checkpoints from `from_step` on out of the resume path, local copies first, then published
+        ones (see CheckpointTracker.quarantine)."""
+        self.checkpoints.quarantine(from_step, attempt_n, tag, cause)
+        self.publisher.quarantine(from_step, attempt_n, tag, cause)
 
     def release(self) -> None:
         """Closes the journal and releases the locks (the last step of close, and of a failed open)."""

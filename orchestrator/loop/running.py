@@ -9,12 +9,17 @@
                   the export exited          -> ExportExited
                   every step done, the last checkpoint verified, a nonzero exit at teardown -> TrainingOver
                   every step done, exit 0    -> TrainingOver, or Crashed (other) when the last save is torn
+                  run health calls for a stop     -> HealthStop (also when the trainer exited: no relaunch
+                                                     into a divergence)
+                  run health calls for a rollback -> RolledBack
                   any other exit             -> Crashed (classify the log)
                   a stop requested           -> StopRequested
                   disk about to fill         -> Crashed (disk_full)
-                  resume divergence          -> ResumeDiverged
+                  resumed at the wrong step  -> ResumeDiverged
+                  a slowdown, on_slowdown = "restart" -> SlowRestart
                   hang                       -> Crashed (nccl_timeout_hang, stacks dumped)
                   otherwise                  -> Keep
+                Health warnings (spikes, unreadable progress, a slowdown) are recorded whatever the verdict.
     act         the supervisor (loop/supervisor.py `_running`) carries the verdict out.
 """
 from __future__ import annotations
@@ -26,7 +31,9 @@ from dataclasses import dataclass
 from orchestrator.domain import policy
 from orchestrator.host.base import Host
 from orchestrator.host.metrics import Metrics
+from orchestrator.domain.health_action import HealthAction
 from orchestrator.loop.attempt import AttemptWatch
+from orchestrator.loop.health import HealthSeen, RunHealth
 from orchestrator.loop.run import RunContext
 from orchestrator.loop.ticker import Ticker
 from orchestrator.types import AttemptKind, Crash, CrashClass, ExitStatus, Phase
@@ -53,6 +60,7 @@ class Observation:
     disk_full: str | None = None       # why the trainer must stop before it meets ENOSPC
     resume_divergence: str | None = None
     hang: str | None = None
+    health: HealthSeen = HealthSeen()
 
 
 @dataclass(frozen=True)
@@ -88,12 +96,38 @@ class StopRequested:
 
 @dataclass(frozen=True)
 class ResumeDiverged:
-    """The resumed attempt's losses do not continue the run's: give up, saying why."""
+    """The resumed attempt did not continue from its resume point: give up, saying why."""
 
     detail: str
 
 
-Verdict = Keep | Crashed | TrainingOver | ExportExited | StopRequested | ResumeDiverged
+@dataclass(frozen=True)
+class HealthStop:
+    """Run health calls for a stop (health.on_divergence = "stop", a recurrence, a broken resume path): a
+    graceful stop, checkpoints kept, exit 3 with the reason."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    """Run health calls for a rollback: a graceful stop, the checkpoints from the onset on quarantined, a
+    relaunch from the newest verified one before it."""
+
+    action: HealthAction
+    resume_suspect: bool = False
+
+
+@dataclass(frozen=True)
+class SlowRestart:
+    """The attempt trains slower than its baseline and health.on_slowdown = "restart": a graceful stop and a
+    relaunch."""
+
+    reason: str
+
+
+Verdict = (Keep | Crashed | TrainingOver | ExportExited | StopRequested | ResumeDiverged | HealthStop | RolledBack
+           | SlowRestart)
 
 
 def judge(obs: Observation) -> Verdict:
@@ -116,6 +150,11 @@ def judge(obs: Observation) -> Verdict:
                     "not complete; find why the save broke, then rerun to redo the steps after the newest "
                     "verified checkpoint",) + obs.last_torn, Phase.TRAINING))
             return TrainingOver()
+    if obs.health.stop:
+        return HealthStop(obs.health.stop)
+    if obs.health.rollback:
+        return RolledBack(obs.health.rollback, obs.health.resume_suspect)
+    if obs.exit is not None:
         return Crashed()
     if obs.stop_requested:
         return StopRequested()
@@ -123,6 +162,8 @@ def judge(obs: Observation) -> Verdict:
         return Crashed(Crash(CrashClass.DISK_FULL, (obs.disk_full,), obs.phase))
     if obs.resume_divergence:
         return ResumeDiverged(obs.resume_divergence)
+    if obs.health.restart:
+        return SlowRestart(obs.health.restart)
     if obs.hang:
         return Crashed(Crash(CrashClass.NCCL_TIMEOUT_HANG, (obs.hang,), obs.phase), hang=True)
     return Keep()
@@ -131,19 +172,21 @@ def judge(obs: Observation) -> Verdict:
 class Observer:
     """Observes the running attempt, one pass at a time (the I/O half of RUNNING)."""
 
-    def __init__(self, ctx: RunContext, host: Host, metrics: Metrics, ticker: Ticker, stop_requested: Callable[[], bool],
-                 echo: Callable[[str], None] | None = None):
+    def __init__(self, ctx: RunContext, host: Host, metrics: Metrics, ticker: Ticker, health: RunHealth,
+                 stop_requested: Callable[[], bool], echo: Callable[[str], None] | None = None):
         self.ctx, self.recipe, self.host, self.metrics, self.ticker = ctx, ctx.recipe, host, metrics, ticker
-        self.stop_requested, self.echo = stop_requested, echo
+        self.health, self.stop_requested, self.echo = health, stop_requested, echo
         self.echoed_at = self.scanned_at = float("-inf")  # monotonic times of the last progress line and scan
 
     def observe(self, a: AttemptWatch) -> Observation:
         """Waits one poll interval (or for the exit) and returns what the pass saw."""
         self.host.wait_exit(a.launched, self.recipe.supervisor.poll_s)  # wakes at once on exit
         now, mono = self.host.now(), self.host.monotonic()
-        for p in a.gather(now, mono):
+        fresh = a.gather(now, mono)
+        for p in fresh:
             self.metrics.observe_progress(p)
         self._echo_progress(a, now, mono)
+        health = self.health.observe(a, fresh, now, mono)
         disk_full = self.keep_space(a) if self.scan() else None
         self.ticker.housekeeping()
         exit_ = a.launched.status
@@ -157,7 +200,7 @@ class Observer:
             now=now, exit=exit_, kind=a.row.kind, phase=a.phase, nan_line=a.bad, nan_step=a.bad_step,
             at_end=a.at_end, last_step=last, last_verified=verified, last_torn=torn,
             stop_requested=self.stop_requested(), disk_full=disk_full,
-            resume_divergence=self._resume_divergence(a) if exit_ is None else None,
+            resume_divergence=self._resume_divergence(a) if exit_ is None else None, health=health,
             hang=self._hang(a, now, mono) if exit_ is None else None)
 
     def drain(self, a: AttemptWatch) -> None:
@@ -198,13 +241,13 @@ class Observer:
                       f"step {a.last.step}/{a.last.max_steps}{loss}")
 
     def _resume_divergence(self, a: AttemptWatch) -> str | None:
-        """Compares the resumed attempt's first logged loss with the loss logged at that step before (once)."""
+        """Checks the resumed attempt's first logged step follows its resume point (once). Its losses against the
+        run's earlier ones are run health's resume check (loop/health.py)."""
         if a.resume is None or a.first_logged is None or a.resume_checked:
             return None
         a.resume_checked = True
         p, c = a.first_logged, self.recipe.checkpoint
-        return policy.resume_verdict(a.resume.step, p.step, p.loss, a.prior_losses.get(p.step),
-                                     c.logging_steps, c.resume_loss_tolerance)
+        return policy.resume_verdict(a.resume.step, p.step, None, None, c.logging_steps, c.resume_loss_tolerance)
 
     def _hang(self, a: AttemptWatch, now: float, mono: float) -> str | None:
         """No new step within the attempt's hang timer (policy.hang_timeout), and no save in progress: at 397B a
@@ -217,11 +260,13 @@ class Observer:
                 self.ctx.journal.event("hang_timer", f"attempt {a.n}: hang timer {timer:.0f} s: {why}", seconds=timer)
             a.hang_timer_s = timer
             self.metrics.hang_timer(timer)
-        hang = policy.hang_verdict(mono, a.launched.started_mono, a.last_step_mono, timer, s.startup_timeout_s)
+        # progress lines the parser cannot read still show the trainer alive (progress_unreadable)
+        alive = max((t for t in (a.last_step_mono, self.health.alive_mono) if t is not None), default=None)
+        hang = policy.hang_verdict(mono, a.launched.started_mono, alive, timer, s.startup_timeout_s)
         if hang and a.row.kind == AttemptKind.EXPORT:
             return (f"the export still runs after startup_timeout_s = {s.startup_timeout_s:.0f} s (an export logs "
                     f"no steps: startup_timeout_s bounds it; raise it for a model this size)")
         last = self.host.newest_write(self.ctx.out) if hang else None
         if not hang or (last is not None and now - last < timer):
             return None
-        return hang if a.last_step_mono is None else f"{hang}: {why}"
+        return hang if alive is None else f"{hang}: {why}"

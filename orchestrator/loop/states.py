@@ -16,7 +16,8 @@ WORK: dict[State, str] = {
                      "relaunched (completed, or verify for the export); merge = \"final\" after training: the "
                      "export attempt (no checkpoint to export: gave up)",
     State.RELAUNCHING: "as LAUNCHING, after a failed attempt",
-    State.RUNNING: "observe -> judge -> act: exit, NaN, hang (a save in progress is none), resume divergence "
+    State.RUNNING: "observe -> judge -> act: exit, NaN, hang (a save in progress is none), run health (a stop: "
+                   "gave up; a rollback or a slowdown restart: verify, then relaunch), a resume at the wrong step "
                    "(gave up), disk too full for the next save, stop request; new checkpoints verified, published, "
                    "retained; training over -> completed, or verify for the export",
     State.CRASHED: "the crash policy decides on the classified crash (log + system evidence)",

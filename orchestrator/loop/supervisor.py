@@ -8,6 +8,7 @@ use in their constructors:
     run.py        RunContext: everything PREFLIGHT opens (journal, locks, checkpoints, publisher, intervals)
     ticker.py     the per-pass housekeeping, deliberate waits, goodput spans
     launch.py     (RE)LAUNCHING                    running.py   RUNNING: observe -> judge -> act
+    health.py     run health in RUNNING: loss, grad norm, resume, unreadable progress, throughput
     recovery.py   VERIFYING, CRASHED, CLEANING, WAITING/BACKOFF
     export.py     checkpoint.merge = "final": the export attempt after the training
 
@@ -30,11 +31,12 @@ from orchestrator.host.spot import from_recipe as spot_notice
 from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.export import ExportPhase
 from orchestrator.loop.gpu_gate import GpuGate
+from orchestrator.loop.health import RunHealth
 from orchestrator.loop.launch import Launcher
 from orchestrator.loop.recovery import Recovery
 from orchestrator.loop.run import RunContext, open_run
-from orchestrator.loop.running import (Crashed, ExportExited, Keep, Observer, ResumeDiverged, StopRequested,
-                                       TrainingOver, judge)
+from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, Observer, ResumeDiverged,
+                                       RolledBack, SlowRestart, StopRequested, TrainingOver, judge)
 from orchestrator.loop.states import transitions_text
 from orchestrator.loop.ticker import Ticker
 from orchestrator.types import TERMINAL_STATES, TRANSITIONS, Crash, CrashClass, ExitCode, State
@@ -56,7 +58,8 @@ class Parts:
         self.recovery = Recovery(ctx, sup.host, sup.gpus, sup.metrics, self.ticker, sup.stop_event, sup.request_stop)
         self.launcher = Launcher(ctx, sup.host, sup.gpus, sup.metrics, sup.notifier, self.ticker, self.export,
                                  sup.stop_event)
-        self.observer = Observer(ctx, sup.host, sup.metrics, self.ticker, sup.stop_event.is_set, sup.echo)
+        self.health = RunHealth(ctx, sup.host, sup.metrics)
+        self.observer = Observer(ctx, sup.host, sup.metrics, self.ticker, self.health, sup.stop_event.is_set, sup.echo)
 
 
 class Supervisor:
@@ -116,6 +119,8 @@ class Supervisor:
         journal = self._ctx.journal
         if state is not self.state:
             journal.event("state", f"{self.state.value} -> {state.value}")
+        if self.state is State.RUNNING and state is not State.RUNNING:  # the attempt ends (or is being ended)
+            self._parts.health.end(self.host.now())
         self.state = state
         self.metrics.set_state(state)
         step = self.attempt.last.step if self.attempt and self.attempt.last else None
@@ -155,14 +160,18 @@ class Supervisor:
     def _launch(self) -> State:
         launcher = self._parts.launcher
         state, launched = launcher.launch(self.attempt)
-        self.attempt = launched or self.attempt
+        if launched:
+            self.attempt = launched
+            self._parts.health.start(launched)
         self.exit_reason = launcher.exit_reason or self.exit_reason
         return state
 
     def _running(self) -> State:
         """RUNNING: observe -> judge -> act (loop/running.py); the acting is here, in one place."""
         a, parts = self._attempt, self._parts
-        match judge(parts.observer.observe(a)):
+        obs = parts.observer.observe(a)
+        parts.health.record(obs.health)  # warnings too, whatever the verdict
+        match judge(obs):
             case Keep():
                 return State.RUNNING
             case Crashed(crash=crash, nan_step=nan_step, hang=hang):
@@ -183,6 +192,20 @@ class Supervisor:
                 return State.STOPPING
             case ResumeDiverged(detail=detail):
                 return self._give_up_on_divergence(a, detail)
+            case HealthStop(reason=reason):
+                self._stop_attempt(a, reason)
+                self.exit_reason = reason
+                return State.GAVE_UP
+            case RolledBack(action=action, resume_suspect=suspect):
+                self._stop_attempt(a, action.reason)
+                assert action.quarantine_from is not None
+                self._ctx.quarantine(action.quarantine_from, a.n, "suspect",
+                                     f"the onset of a divergence at step {action.quarantine_from}")
+                parts.health.rolled_back(action, suspect)
+                return State.VERIFYING
+            case SlowRestart(reason=reason):
+                self._stop_attempt(a, reason)
+                return State.VERIFYING
         raise AssertionError("judge returned an unknown verdict")
 
     def _crashed(self) -> State:
@@ -199,25 +222,27 @@ class Supervisor:
         return self._parts.recovery.wait(self._attempt)
 
     def _stopping(self) -> State:
-        a, ctx = self._attempt, self._ctx
-        ctx.journal.event("stop", f"stopping: {self.stop_reason}")
+        a = self._attempt
+        self._ctx.journal.event("stop", f"stopping: {self.stop_reason}")
+        self._stop_attempt(a, self.stop_reason)
+        return State.STOPPED
+
+    def _stop_attempt(self, a: AttemptWatch, why: str) -> None:
+        """Stops the trainer gracefully (SIGTERM: ms-swift saves; grace_s, then SIGKILL), reads what it wrote on
+        the way out and finishes its row as stopped by the orchestrator, saying why."""
+        ctx = self._ctx
         self.host.terminate(ctx.run_id, {a.launched.pid}, self.recipe.supervisor.grace_s)
         self.host.wait_exit(a.launched, 10)  # the exit status is recorded right after terminate()
         self._parts.observer.drain(a)  # the steps and the checkpoint it wrote on the way out
-        a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER, (f"stopped by orchestrator: {self.stop_reason}",)),
-                 stopped=True)
-        return State.STOPPED
+        a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER, (f"stopped by orchestrator: {why}",)), stopped=True)
 
     def _give_up_on_divergence(self, a: AttemptWatch, detail: str) -> State:
         """The resume loaded weights whose losses do not continue the run's: retrying cannot help. The trainer
         is stopped and its row finished, saying why."""
-        ctx = self._ctx
         self.metrics.resume_divergence()
-        ctx.journal.event("resume_divergence", detail)
+        self._ctx.journal.event("resume_divergence", detail)
         self.exit_reason = f"resume divergence: {detail}"
-        self.host.terminate(ctx.run_id, {a.launched.pid}, self.recipe.supervisor.grace_s)
-        a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER, (f"stopped by orchestrator: {self.exit_reason}",)),
-                 stopped=True)
+        self._stop_attempt(a, self.exit_reason)
         return State.GAVE_UP
 
     # --- shutdown -----------------------------------------------------------------------------

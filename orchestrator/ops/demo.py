@@ -106,7 +106,7 @@ def inject_kill(sup, at_step: int, say=print) -> Injection:
                 continue
             if a.n != 1 or a.launched.exited.is_set():
                 return  # the first attempt ended before the step: nothing to inject
-            tail = tail or launcher.FileTail(Path(sup.out) / "logging.jsonl")
+            tail = tail or launcher.FileTail(Path(sup.ctx.out) / "logging.jsonl")
             step = _last_step(tail, step)
             if step is not None and step >= at_step:
                 inj.killed = [p.pid for p in launcher.tree(a.launched.pid)]

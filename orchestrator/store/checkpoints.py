@@ -386,11 +386,12 @@ def export_staging_name(checkpoint_name: str) -> str:
     return f".partial-{merged_name(checkpoint_name)}"
 
 
-def quarantine_name(path: Path, attempt_n: int) -> Path:
-    """Where a checkpoint written at or after a NaN is moved: `<name>.nan-attempt-N`, or `.nan-attempt-N.K` when
-    an earlier, interrupted quarantine already used that name (a rename onto it would fail)."""
-    target, k = path.with_name(f"{path.name}.nan-attempt-{attempt_n}"), 1
+def quarantine_name(path: Path, attempt_n: int, tag: str = "nan") -> Path:
+    """Where a checkpoint written at or after a NaN (tag "nan") or a divergence's onset ("suspect") is moved:
+    `<name>.<tag>-attempt-N`, or `.<tag>-attempt-N.K` when an earlier, interrupted quarantine already used that
+    name (a rename onto it would fail)."""
+    target, k = path.with_name(f"{path.name}.{tag}-attempt-{attempt_n}"), 1
     while target.exists():
         k += 1
-        target = path.with_name(f"{path.name}.nan-attempt-{attempt_n}.{k}")
+        target = path.with_name(f"{path.name}.{tag}-attempt-{attempt_n}.{k}")
     return target

@@ -146,10 +146,11 @@ class Publisher:
             self.journal.event(kind, message, **data)
         return self.restore_result
 
-    def quarantine(self, nan_step: int, attempt_n: int) -> list[str]:
-        """Published copies of this run from the NaN step on may hold poisoned weights (published before the
-        NaN was seen): renamed out of the published names under the sync lock, so no restore takes them and
-        no round re-lists them; the data stays for a person. Returns the names moved."""
+    def quarantine(self, nan_step: int, attempt_n: int, tag: str = "nan", cause: str = "") -> list[str]:
+        """Published copies of this run from the NaN step (or a divergence's onset, tag "suspect") on may hold
+        poisoned weights (published before it was seen): renamed out of the published names under the sync
+        lock, so no restore takes them and no round re-lists them; the data stays for a person. Returns the
+        names moved."""
         if not self.enabled:
             return []
         r = self.recipe.run
@@ -162,15 +163,16 @@ class Publisher:
         try:
             for c in self._published():
                 if c.step >= nan_step:
-                    c.path.rename(checkpoints.quarantine_name(c.path, attempt_n))
+                    c.path.rename(checkpoints.quarantine_name(c.path, attempt_n, tag))
                     moved.append(c.name)
         except OSError as e:
             self.journal.event("quarantine", f"published copies from step {nan_step}: {e}")
         finally:
             os.close(fd)
         if moved:
-            self.journal.event("quarantine", f"published {', '.join(moved)} written at or after the NaN at step "
-                               f"{nan_step}: renamed *.nan-attempt-{attempt_n}, never restored from")
+            self.journal.event("quarantine", f"published {', '.join(moved)} written at or after "
+                               f"{cause or f'the NaN at step {nan_step}'}: renamed *.{tag}-attempt-{attempt_n}, "
+                               "never restored from")
         return moved
 
     def _restore_newest(self, notes: list) -> CheckpointInfo | None:

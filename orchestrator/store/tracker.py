@@ -119,6 +119,7 @@ class CheckpointTracker:
             self._verdict(f.step, False, f.problems)
             self.metrics.checkpoint_invalid()
             self.journal.event(f.kind, f"{f.problems[0]}; moved to {target.name}", **f.data)
+            self.metrics.health_event(f.kind)
             link = self.out / "last-checkpoint"
             if os.path.islink(link) and os.readlink(link).rstrip("/").endswith(d.name):
                 self._repoint_last_checkpoint(f.step)
@@ -150,6 +151,10 @@ class CheckpointTracker:
         """The newest verified step (no later than `through`), -1 if none."""
         steps = (step_of(p) for p, ok in self.seen.items() if ok)
         return max((s for s in steps if through is None or s <= through), default=-1)
+
+    def good_steps(self) -> list[int]:
+        """Every verified step, oldest first (where a rollback can go)."""
+        return sorted(step_of(p) for p, ok in self.seen.items() if ok)
 
     def forget_after(self, step: int) -> None:
         """A new attempt rewrites every checkpoint after its resume point, in place: until a rewrite's
@@ -236,18 +241,19 @@ class CheckpointTracker:
         manifest.fsync_dir(self.out)
         return final, ()
 
-    def quarantine(self, nan_step: int, attempt_n: int) -> None:
-        """Checkpoints from the NaN step on (a save on the SIGTERM that stopped the attempt, say) may
-        hold poisoned weights: move them out of the resume path, keeping the data for a person."""
+    def quarantine(self, from_step: int, attempt_n: int, tag: str = "nan", cause: str = "") -> None:
+        """Checkpoints from `from_step` on (the NaN's step, a save on the SIGTERM that stopped the attempt, say;
+        or, tag "suspect", the onset of a divergence) may hold poisoned weights: move them out of the resume
+        path, keeping the data for a person. `cause` says what they were written at or after."""
         for d in sorted(self.out.glob("checkpoint-*")):
             m = checkpoints.CKPT_RE.fullmatch(d.name) or checkpoints.MERGED_RE.fullmatch(d.name)
-            if m and step_of(d) >= nan_step:
-                target = checkpoints.quarantine_name(d, attempt_n)
+            if m and step_of(d) >= from_step:
+                target = checkpoints.quarantine_name(d, attempt_n, tag)
                 d.rename(target)
                 self.seen.pop(str(d), None)
-                self.journal.event("quarantine", f"{d.name} was written at or after the NaN at step {nan_step}: "
+                self.journal.event("quarantine", f"{d.name} was written at or after {cause or f'the NaN at step {from_step}'}: "
                                    f"moved to {target.name}, never resumed from")
-        self._repoint_last_checkpoint(nan_step)
+        self._repoint_last_checkpoint(from_step)
 
     def _repoint_last_checkpoint(self, below: int) -> None:
         """ms-swift's last-checkpoint must not name a quarantined step: the relaunch writes a new,

@@ -1,0 +1,162 @@
+"""Run health in the RUNNING pass: the loss and grad-norm detectors, the check of a resumed attempt against what
+was logged before, progress lines the parser cannot read, and the attempt's throughput.
+
+    start(a)         a new attempt: HealthWatch.attempt (the run's logged steps on this supervisor's first
+                     launch), a new ThroughputTracker against the best baseline of earlier attempts
+    observe(a, ...)  feeds what the pass read to the detectors (domain/health*.py, domain/throughput.py), takes
+                     the machine's evidence at a throughput drop, and decides (pure: health_action.decide,
+                     decide_resume, slowdown_action) -> HealthSeen, a frozen value for the Observation
+    record(seen)     the journal events (with their numbers and the action), the metrics, the `slow` spans:
+                     called by the supervisor where it acts
+    end(now)         the slow spell still open when the attempt ends, as a `slow` span
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from orchestrator.domain import progress
+from orchestrator.domain.health import DIVERGENCE_KINDS, RESUME_DIVERGENCE, THROUGHPUT_DROP, THROUGHPUT_RECOVERED
+from orchestrator.domain.health_action import HealthAction, decide, decide_resume, rollbacks_of
+from orchestrator.domain.health_watch import HealthWatch
+from orchestrator.domain.slowdown_clues import clues
+from orchestrator.domain.throughput import ThroughputParams, ThroughputTracker, slowdown_action
+from orchestrator.host.base import Host
+from orchestrator.host.metrics import Metrics
+from orchestrator.loop.attempt import AttemptWatch
+from orchestrator.loop.run import RunContext
+from orchestrator.types import AttemptKind, Progress
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """One health event to record: its kind, message and numbers (the action decided among them)."""
+
+    kind: str
+    message: str
+    data: dict = field(default_factory=dict)
+    slow_span: tuple[float, float] | None = None   # throughput_recovered: the slow spell, for goodput
+
+
+@dataclass(frozen=True)
+class HealthSeen:
+    """What one pass's health detectors found, and the strongest action they call for."""
+
+    events: tuple[HealthEvent, ...] = ()
+    stop: str | None = None                  # a graceful stop, exit 3 with this reason
+    rollback: HealthAction | None = None     # quarantine from .quarantine_from, relaunch from .relaunch_from
+    resume_suspect: bool = False             # the rollback is a resume divergence's (relaunch once, then stop)
+    restart: str | None = None               # health.on_slowdown = "restart": a graceful stop and a relaunch
+
+
+class RunHealth:
+    def __init__(self, ctx: RunContext, host: Host, metrics: Metrics):
+        self.ctx, self.cfg, self.host, self.metrics = ctx, ctx.recipe.health, host, metrics
+        self.watch = HealthWatch(self.cfg, ctx.recipe.checkpoint.resume_loss_tolerance)
+        self.throughput: ThroughputTracker | None = None   # the running training attempt's
+        self.baseline_s: float | None = None    # the fastest baseline of this supervisor's attempts
+        self.suspect_from: int | None = None    # after a rollback: what was logged from here is no reference
+        self.retrying_resume = False            # the attempt relaunched after a suspect resume checkpoint
+        self.last_restart_at: float | None = None
+        self.history_read = False
+
+    def start(self, a: AttemptWatch) -> None:
+        """A new attempt: the detectors learn where it resumes from (an export trains nothing: no detectors)."""
+        if a.row.kind == AttemptKind.EXPORT:
+            self.throughput = None
+            return
+        history = None if self.history_read else self._logged()
+        self.history_read = True
+        resume = a.resume
+        self.watch.attempt(resume.step if resume else None, history, resume.weights_only if resume else False,
+                           suspect_from=self.suspect_from)
+        self.suspect_from = None
+        if self.throughput and self.throughput.baseline_s:
+            self.baseline_s = min(self.baseline_s or self.throughput.baseline_s, self.throughput.baseline_s)
+        self.throughput = ThroughputTracker(ThroughputParams.from_health(self.cfg.slowdown_ratio,
+                                                                         self.cfg.slowdown_window_s),
+                                            reference_s=self.baseline_s)
+
+    @property
+    def alive_mono(self) -> float | None:
+        """When the last line that looks like training progress came (monotonic), understood or not."""
+        return self.watch.alive_at
+
+    def observe(self, a: AttemptWatch, fresh: list[Progress], now: float, mono: float) -> HealthSeen:
+        """Feeds one pass's reading to the detectors; returns what they found and the action it calls for."""
+        if a.row.kind == AttemptKind.EXPORT or self.throughput is None:
+            return HealthSeen()
+        found = [f for line, parsed in a.lines_read for f in self.watch.line(line, mono, parsed)]
+        found += [f for p in fresh for f in self.watch.observe(p)]
+        self.metrics.loss_level(self.watch.loss_level)
+        tr = self.throughput
+        for step in a.saves_read:
+            tr.pause(step)
+        slow = [f for p in fresh for f in tr.observe(p.step, now)]
+        if tr.ratio is not None:
+            self.metrics.throughput(tr.ratio)
+        events, stop, rollback, suspect, restart = [], None, None, False, None
+        verified = self.ctx.checkpoints.good_steps() if found else []
+        for f in found:
+            if f.kind == RESUME_DIVERGENCE and a.resume is not None:
+                act = decide_resume(f, a.resume.step, verified, self.retrying_resume)
+            elif f.kind in DIVERGENCE_KINDS:
+                act = decide(f, self.cfg.on_divergence, verified,
+                             rollbacks_of(self.ctx.journal.events_of(DIVERGENCE_KINDS)))
+            else:
+                act = HealthAction("warn", f.message)
+            events.append(HealthEvent(f.kind, f.message, {**f.record(), **act.record()}))
+            if act.action == "stop" and stop is None:
+                stop = f"resume divergence: {act.reason}" if f.kind == RESUME_DIVERGENCE else act.reason
+            elif act.action == "rollback" and rollback is None:
+                rollback, suspect = act, f.kind == RESUME_DIVERGENCE
+        for s in slow:
+            if s.kind == THROUGHPUT_DROP:
+                evidence = self.host.slowdown_evidence(a.launched)
+                action, why = slowdown_action(self.cfg.on_slowdown, now, self.last_restart_at)
+                suspects = clues(evidence)
+                events.append(HealthEvent(s.kind, s.message() + (f"; {'; '.join(suspects)}" if suspects else ""),
+                                          {**s.data(), "clues": list(suspects), "evidence": asdict(evidence),
+                                           "action": action, "why": why}))
+                if action == "restart":
+                    restart, self.last_restart_at = f"{s.message()}; restarting ({why})", now
+            elif s.kind == THROUGHPUT_RECOVERED:
+                events.append(HealthEvent(s.kind, s.message(), s.data(), slow_span=(s.since, s.at)))
+        return HealthSeen(tuple(events), stop, rollback, suspect, restart)
+
+    def record(self, seen: HealthSeen) -> None:
+        """Records a pass's health events: journal (with their numbers), metrics, the `slow` goodput spans."""
+        for e in seen.events:
+            self.ctx.journal.event(e.kind, e.message, **e.data)
+            self.metrics.health_event(e.kind)
+            if e.kind == RESUME_DIVERGENCE:
+                self.metrics.resume_divergence()  # the nan_or_divergence alert reads this counter
+            if e.slow_span:
+                self.ctx.journal.span(*e.slow_span, "slow")
+
+    def rolled_back(self, action: HealthAction, resume_suspect: bool) -> None:
+        """A rollback was carried out: the next attempt's resume check ignores the steps logged from the onset
+        on, and a resume divergence's relaunch is its one retry."""
+        self.suspect_from, self.retrying_resume = action.quarantine_from, resume_suspect
+
+    def end(self, now: float) -> None:
+        """The attempt ended: a slow spell still open is recorded as a `slow` span (once)."""
+        if self.throughput and (spell := self.throughput.open_spell(now)):
+            self.ctx.journal.span(*spell, "slow")
+            self.throughput.dropped = None
+
+    def _logged(self) -> list[Progress]:
+        """The run's step records so far, from its logging.jsonl (a supervisor restarted mid-run)."""
+        try:
+            lines = (self.ctx.out / "logging.jsonl").read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                p = progress.parse_jsonl_line(line)
+            except (ValueError, json.JSONDecodeError):
+                p = None
+            if p is not None:
+                out.append(p)
+        return out
