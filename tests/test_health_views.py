@@ -128,3 +128,20 @@ def test_record_finding_journals_the_numbers_and_counts_the_kind(tmp_path):
     text = m.exposition().decode()
     assert 'orchestrator_health_events_total{kind="loss_divergence"} 1.0' in text
     assert 'orchestrator_alert_active{alert="progress_unreadable"} 1.0' in text
+
+
+def test_the_report_has_a_throughput_panel_with_the_slow_spell_shaded():
+    from orchestrator.ops.html_report import slow_spells, throughput_chart
+
+    drop = {"kind": "throughput_drop", "message": "step 30: 2 s/step, 2.00x the baseline",
+            "data": {"step": 30, "current_s": 2.0, "baseline_s": 1.0, "ratio": 2.0}}
+    back = {"kind": "throughput_recovered", "message": "step 45: back", "data": {"step": 45, "current_s": 1.1,
+                                                                                   "baseline_s": 1.0, "ratio": 1.1}}
+    assert slow_spells([drop, back], 100) == [(30, 45)]
+    assert slow_spells([drop], 100) == [(30, 100)], "a spell still open runs to the last step"
+    d = {"max_steps": 100, "step_times": [(s, 1.0 if s < 25 else 2.0) for s in range(1, 60)], "health": [drop, back]}
+    svg = throughput_chart(d)
+    page = Page(svg)
+    assert not page.errors and len(page.find("rect", "slow")) == 1
+    assert [m["data-kind"] for m in page.find("g", "throughput")] == ["throughput_drop", "throughput_recovered"]
+    assert "no step times" in throughput_chart({"max_steps": 10, "step_times": [], "health": []})

@@ -131,7 +131,7 @@ def test_resume_divergence_stops_the_run(tmp_path):
     shutil.copytree(tmp_path / "out" / "checkpoint-10", out2 / "checkpoint-10")
     rec = {"loss": 99.0, "grad_norm": 1.0, "learning_rate": 1e-4, "iteration": "11/40"}
     (out2 / "logging.jsonl").write_text(json.dumps(rec) + "\n")
-    code, sup = supervise(recipe, f"run.output_dir={json.dumps(str(out2))}", "run.persistent_dir=\"\"")
+    code, sup = supervise(recipe, f"run.output_dir={json.dumps(str(out2))}", "run.persistent_dir=\"\"", healthy=False)
     assert code == ExitCode.GAVE_UP
     assert "resume divergence" in sup.exit_reason
     assert events(out2, "resume_divergence")

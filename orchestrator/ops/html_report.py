@@ -155,6 +155,62 @@ def loss_chart(d: dict) -> str:
     return "".join(out)
 
 
+def slow_spells(events: list[dict], last_step: int) -> list[tuple[int, int]]:
+    """The (first, last) steps of each throughput_drop until its throughput_recovered (or the last step)."""
+    spells, start = [], None
+    for ev in events:
+        step = (ev.get("data") or {}).get("step")
+        if step is None:
+            continue
+        if ev["kind"] == "throughput_drop" and start is None:
+            start = step
+        elif ev["kind"] == "throughput_recovered" and start is not None:
+            spells.append((start, step))
+            start = None
+    return spells + ([(start, last_step)] if start is not None else [])
+
+
+def throughput_chart(d: dict) -> str:
+    """Seconds per step over the steps (the trainer's own speed figure), slow spells shaded, each
+    throughput_drop / throughput_recovered marked with its measured seconds per step."""
+    pts = thin(d.get("step_times", []))
+    marks = [ev for ev in d.get("health", []) if ev["kind"] in ("throughput_drop", "throughput_recovered")]
+    if not pts and not marks:
+        return '<p class="muted">no step times logged yet</p>'
+    x1 = max([d["max_steps"] or 0, 1] + [s for s, _ in pts] + [(ev.get("data") or {}).get("step", 0) for ev in marks])
+    ys = [v for _, v in pts] + [(ev.get("data") or {}).get(k, 0.0) for ev in marks for k in ("current_s", "baseline_s")]
+    y1 = max(ys) * 1.1 or 1.0
+    h, top = 160, 14   # no crash labels above this one
+    pw, ph = W - ML - MR, h - top - 24
+
+    def X(step: float) -> float:
+        return ML + pw * step / x1
+
+    def Y(v: float) -> float:
+        return top + ph * (1 - v / y1)
+
+    out = [f'<svg viewBox="0 0 {W} {h}" width="{W}" height="{h}" role="img" aria-label="seconds per step">',
+           f'<rect x="{ML}" y="{top}" width="{pw}" height="{ph}" fill="#fbfcfd" stroke="#d5dae0"/>']
+    for t in nice_ticks(0, y1, 3):
+        out.append(f'<text x="{ML - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>')
+    out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" text-anchor="middle">s/step</text>')
+    for a, b in slow_spells(marks, int(x1)):
+        out.append(f'<rect class="slow" x="{X(a):.1f}" y="{top}" width="{max(X(b) - X(a), 2):.1f}" height="{ph}"'
+                   f' fill="#17becf" fill-opacity="0.15"><title>slow: steps {a}-{b}</title></rect>')
+    if pts:
+        coords = " ".join(f"{X(s):.1f},{Y(v):.1f}" for s, v in pts)
+        out.append(f'<polyline class="step-time" fill="none" stroke="#6c7a89" stroke-width="1.4" points="{coords}">'
+                   f'<title>the trainer\'s seconds per step (its running average), {len(pts)} logged steps</title></polyline>')
+    for ev in marks:
+        data = ev.get("data") or {}
+        if "step" in data and "current_s" in data:
+            col = HEALTH_COLORS.get(ev["kind"], "#7f7f7f")
+            out.append(f'<g class="throughput" data-kind="{e(ev["kind"])}"><title>{e(ev["kind"] + ": " + ev["message"])}</title>'
+                       f'<circle cx="{X(data["step"]):.1f}" cy="{Y(data["current_s"]):.1f}" r="4" fill="{col}"/></g>')
+    out.append("</svg>")
+    return "".join(out)
+
+
 def health_marks(events: list[dict]) -> list[tuple[dict, int, int]]:
     """The health events that have steps, as (event, first step, last step), to mark on the loss curve."""
     out = []
@@ -284,6 +340,7 @@ def render(d: dict) -> str:
         "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in meta), "</dl>",
         "<h2>Loss</h2>", loss_chart(d), chart_legend(d),
         *(["<h2>Health</h2>", health_table(d["health"])] if d.get("health") else []),
+        "<h2>Throughput</h2>", throughput_chart(d),
         "<h2>Goodput</h2>", goodput_section(d["goodput"]),
         *(["<h2>Costs</h2>", costs_section(d["costs"])] if d.get("costs") else []),
         "<h2>Attempts</h2>", attempts_table(d["attempts"]),

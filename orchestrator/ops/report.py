@@ -301,6 +301,7 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
         "model": r.model.path, "state": kv.get("state"), "exit_reason": kv.get("exit_reason"),
         "step": st["step"], "max_steps": st["max_steps"], "output_dir": str(out), "generated_at": time.time(),
         "losses": [(p.step, p.loss) for p in records if p.loss is not None and math.isfinite(p.loss)],
+        "step_times": [(p.step, p.step_s) for p in records if p.step_s is not None and math.isfinite(p.step_s)],
         "nan_steps": [p.step for p in records if p.loss is not None and not math.isfinite(p.loss)],
         "crashes": [{"n": a.n, "class": a.cls.value, "evidence": a.evidence[0] if a.evidence else "",
                      "step": a.end_step if a.end_step is not None else (a.start_step or 0), "ended_at": a.ended_at}

@@ -67,12 +67,28 @@ def published_at(recipe_path: Path, *overrides: str) -> Path:
     return publish_dir(r.run.persistent_dir, r.run.name, recipe_hash(r))
 
 
-def supervise(recipe_path: Path, *overrides: str):
-    """Run the supervisor in this process; returns (exit code, supervisor)."""
+# Run-health events (domain/health.py HEALTH_KINDS): a supervised run that is not about them must raise none.
+HEALTH = ("loss_spike", "grad_norm_spike", "loss_divergence", "loss_limit", "resume_divergence",
+          "progress_unreadable", "throughput_drop", "throughput_recovered", "checkpoint_unchanged",
+          "checkpoint_nonfinite")
+
+
+def health_events(output_dir: Path) -> list[dict]:
+    """The run-health events of a run."""
+    return [e for e in events(output_dir) if e["kind"] in HEALTH]
+
+
+def supervise(recipe_path: Path, *overrides: str, healthy: bool = True):
+    """Run the supervisor in this process; returns (exit code, supervisor). `healthy`: the run is not about run
+    health, so it must raise no health event (every normal run is a false-alarm test of the detectors)."""
     from orchestrator.loop.supervisor import Supervisor
 
     sup = Supervisor(load(recipe_path, list(overrides)), install_signals=False)
-    return sup.run(), sup
+    code = sup.run()
+    if healthy and sup.ctx is not None:
+        found = health_events(sup.ctx.out)
+        assert not found, f"a false alarm: {[(e['kind'], e['message']) for e in found]}"
+    return code, sup
 
 
 def cli(*args: str, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
