@@ -180,15 +180,19 @@ def memorise_then_noise(path: Path, learn: int, noise: int, seed: int = 0) -> Pa
 def test_a_real_divergence_is_stopped_or_rolled_back_then_stopped_on_recurrence(tiny, tmp_path, on_divergence):
     data = memorise_then_noise(tmp_path / "data.jsonl", learn=4 * 30, noise=4 * 60)
     out = tmp_path / "out"
+    # The tiny model learns little: the sentence takes its loss from 7.35 to ~6.3, the noise brings it back to
+    # ~7.15 (+14 %) and holds it there. The default tolerance (+50 %, for real models' noisy levels) would let
+    # that pass; a tiny model's tolerance is 10 % (its levels move < 2 % while it learns).
     r = recipe(tiny, tmp_path, f"data.dataset=[{json.dumps(str(data))}]", "optim.iterations=90", "optim.lr=5e-3",
                "checkpoint.save_steps=10", "checkpoint.keep_local=20", f'health.on_divergence="{on_divergence}"',
+               "health.divergence_tolerance=0.1",
                "extra_args.dataset_shuffle=false", "extra_args.train_dataloader_shuffle=false")
     sup = Supervisor(r, install_signals=False)
     assert sup.run() == ExitCode.GAVE_UP
     diverged = events(out, "loss_divergence")
     assert diverged, [e["kind"] for e in events(out)]
-    onset = diverged[0]["data"]["first_step"]
-    assert onset > 30, "the loss rose on the noise, not while the sentence was learnt"
+    # the window that first shows the level risen holds the first noise steps (from step 31 on)
+    assert diverged[0]["data"]["last_step"] > 30 >= diverged[0]["data"]["first_step"] > 10
     if on_divergence == "stop":
         assert [e["data"]["action"] for e in diverged] == ["stop"] and len(attempts(out)) == 1
     else:
