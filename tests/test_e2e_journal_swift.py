@@ -21,15 +21,24 @@ pytestmark = [pytest.mark.swift,
               pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")]
 
 
+# Long enough that the stop lands before the end: the tiny model trains ~15 steps a second on a quiet machine.
+STEPS = 300
+LONG = (f"optim.iterations={STEPS}", "checkpoint.save_steps=10")
+
+
 def test_a_garbage_journal_is_replaced_and_the_training_completes(tiny, tmp_path):
     out = tmp_path / "out"
-    first = Supervisor(recipe(tiny, tmp_path), install_signals=False)
+    first = Supervisor(recipe(tiny, tmp_path, *LONG), install_signals=False)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.setdefault("code", first.run()))
     thread.start()
     try:
-        assert wait_for(lambda: first.checkpoints and first.checkpoints.newest_good_step() >= 10, 300, 0.1), \
-            "checkpoint-10 verified"
+        def saved_10() -> bool:  # ms-swift points last-checkpoint at a save once it is written
+            try:
+                return os.readlink(out / "last-checkpoint").rstrip("/").endswith("checkpoint-10")
+            except OSError:
+                return False
+        assert wait_for(saved_10, 300, 0.02), "checkpoint-10 written"
         first.request_stop("test: the operator stops the run half way")
         thread.join(300)
     finally:
@@ -38,17 +47,18 @@ def test_a_garbage_journal_is_replaced_and_the_training_completes(tiny, tmp_path
             thread.join(60)
     assert result["code"] == ExitCode.OK and first.state is State.STOPPED
     stopped_at = attempts(out)[-1].end_step
-    assert stopped_at is not None and stopped_at < 30
+    assert stopped_at is not None and stopped_at < STEPS
 
     journal = journal_path(state_dir(out))
     journal.write_bytes(os.urandom(16384))  # a disk hiccup, a bad copy, a stray editor
-    second = Supervisor(recipe(tiny, tmp_path), install_signals=False)
+    second = Supervisor(recipe(tiny, tmp_path, *LONG), install_signals=False)
     assert second.run() == ExitCode.OK and second.state is State.COMPLETED
 
     (replaced,) = events(out, "journal_replaced")
     assert replaced["data"]["problem"] == "file is not a database"
-    assert 10 in replaced["data"]["rebuilt"]["checkpoints"]
+    rebuilt = replaced["data"]["rebuilt"]["checkpoints"]   # what local retention kept of the first run's saves
+    assert rebuilt and min(rebuilt) >= 10
     assert (state_dir(out) / os.path.basename(replaced["data"]["moved_to"])).exists(), "kept, never deleted"
     rows = attempts(out)
     assert len(rows) == 1 and rows[0].n == 2, "the new journal's first attempt is numbered after the old log"
-    assert rows[0].resumed_from is not None and rows[0].start_step >= 10 and rows[0].end_step == 30
+    assert rows[0].resumed_from is not None and rows[0].start_step == max(rebuilt) and rows[0].end_step == STEPS

@@ -205,7 +205,7 @@ def test_another_process_holding_the_journal_lock_mid_run(tmp_path, monkeypatch)
         other = sqlite3.connect(path, isolation_level=None, timeout=5)
         other.execute("BEGIN IMMEDIATE")
         try:
-            assert wait_for(lambda: sup.journal.held, 20, 0.05), "writes are held while the lock is taken"
+            assert wait_for(lambda: sup.ctx.journal.held, 20, 0.05), "writes are held while the lock is taken"
             held_at.append(sup.attempt.last.step)
             assert wait_for(lambda: sup.attempt.last.step >= held_at[0] + 10, 30, 0.05), "training goes on"
         finally:
