@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 NODES = ("n1", "n2", "n3")
@@ -116,6 +117,27 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
+        left = self.leftovers()   # a job step's slurmstepd outlives its slurmd (seen after a full run)
+        for proc in left:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=10)
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes of this cluster still running: those whose environment names its slurm.conf (the job steps'
+        slurmstepd and what they run). Never another cluster's or the machine's."""
+        # the raw environment block: slurmstepd clears its start for its process title, so a parser that stops
+        # at the first empty entry (psutil's) sees nothing
+        mark, found = f"\0SLURM_CONF={self.env['SLURM_CONF']}\0".encode(), []
+        for pid in psutil.pids():
+            try:
+                if pid != os.getpid() and mark in b"\0" + Path(f"/proc/{pid}/environ").read_bytes() + b"\0":
+                    found.append(psutil.Process(pid))
+            except (OSError, psutil.Error):
+                pass
+        return found
 
 
 def _pid(path: Path, timeout: float) -> int:
@@ -172,6 +194,7 @@ def cluster(tmp_path_factory):
         pytest.skip(f"Slurm test cluster did not start: {e}")
     yield c
     c.stop()
+    assert not c.leftovers(), "the test cluster left processes running"
 
 
 def _sbin(exe: str) -> str:
