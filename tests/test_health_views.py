@@ -107,29 +107,6 @@ def test_a_run_without_health_events_has_no_health_section(tmp_path):
     assert "<h2>Health</h2>" not in text and 'class="health"' not in text
 
 
-def test_record_finding_journals_the_numbers_and_counts_the_kind(tmp_path):
-    from orchestrator.domain.health_action import rollbacks_of
-    from orchestrator.host.health_record import record_finding
-    from orchestrator.host.metrics import Metrics
-
-    j, m = Journal(tmp_path / "journal.sqlite"), Metrics()
-    try:
-        action = decide(DIVERGENCE, "rollback", [10, 20])
-        record_finding(j, m, DIVERGENCE, action)
-        record_finding(j, m, UNREADABLE)
-        record_finding(j, None, SPIKE)
-        events = j.events_of([LOSS_DIVERGENCE, PROGRESS_UNREADABLE, LOSS_SPIKE])
-    finally:
-        j.close()
-    assert [ev["kind"] for ev in events] == [LOSS_DIVERGENCE, PROGRESS_UNREADABLE, LOSS_SPIKE]
-    assert events[0]["data"] == DIVERGENCE.record() | {"action": "rollback", "relaunch_from": 20, "quarantine_from": 21}
-    assert events[1]["data"]["sample"] == "iteration 5/50 | lm loss: 2.0"
-    assert [(r.first_step, r.last_step, r.to_step) for r in rollbacks_of(events)] == [(21, 40, 20)]
-    text = m.exposition().decode()
-    assert 'orchestrator_health_events_total{kind="loss_divergence"} 1.0' in text
-    assert 'orchestrator_alert_active{alert="progress_unreadable"} 1.0' in text
-
-
 def test_the_report_has_a_throughput_panel_with_the_slow_spell_shaded():
     from orchestrator.ops.html_report import slow_spells, throughput_chart
 
