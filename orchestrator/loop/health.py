@@ -12,7 +12,6 @@ was logged before, progress lines the parser cannot read, and the attempt's thro
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
 from orchestrator.domain import progress
@@ -151,12 +150,4 @@ class RunHealth:
             lines = (self.ctx.out / "logging.jsonl").read_text(errors="replace").splitlines()
         except OSError:
             return []
-        out = []
-        for line in lines:
-            try:
-                p = progress.parse_jsonl_line(line)
-            except (ValueError, json.JSONDecodeError):
-                p = None
-            if p is not None:
-                out.append(p)
-        return out
+        return [p for p in map(progress.parse_jsonl_line, lines) if p is not None]
