@@ -74,3 +74,17 @@ def test_save_of_an_earlier_attempt_is_not_this_attempts(tmp_path):
     append(log, pipe(11), LAST, pipe(12), pipe(13))
     w.gather(1.0, 1.0)
     assert not w.saves_pending and not [c for c in costs if c[0] == "save"]
+
+
+def test_the_lines_of_a_pass_and_of_its_drain_both_reach_the_health_detectors(tmp_path):
+    """take_read() returns every line read since the last call, a drain's after a pass's: what an exited
+    trainer wrote last is judged too."""
+    w, log, _ = watch(tmp_path)
+    append(log, pipe(1), START)
+    w.gather(1.0, 1.0)
+    append(log, pipe(2), "an unparsed line")
+    w.gather(2.0, 2.0, drain=True)
+    lines, saves = w.take_read()
+    assert [line for line, _ in lines] == [pipe(1), START, pipe(2), "an unparsed line"]
+    assert [p.step if p else None for _, p in lines] == [1, None, 2, None] and saves == [10]
+    assert w.take_read() == ([], [])

@@ -30,8 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-THROUGHPUT_DROP = "throughput_drop"
-THROUGHPUT_RECOVERED = "throughput_recovered"
+from orchestrator.domain.health import THROUGHPUT_DROP, THROUGHPUT_RECOVERED
 
 ON_SLOWDOWN = ("warn", "restart")
 RESTART_MIN_GAP_S = 3600.0   # on_slowdown = "restart": at most one restart per hour
@@ -163,6 +162,12 @@ class ThroughputTracker:
         """The slow spell still open at `end` (an attempt's end): (since, end) for a goodput span of kind
         "slow"; None when none is open. A recovered spell's span is (finding.since, finding.at)."""
         return None if self.dropped is None else (self.dropped.since, max(end, self.dropped.since))
+
+    def close_spell(self, end: float) -> tuple[float, float] | None:
+        """The slow spell still open at `end` (as open_spell), now closed: an attempt's end records it once."""
+        spell = self.open_spell(end)
+        self.dropped, self.slow_since = None, None
+        return spell
 
     @property
     def ratio(self) -> float | None:

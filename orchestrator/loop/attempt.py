@@ -65,8 +65,8 @@ class AttemptWatch:
     save_steps: int | None = None              # the interval this attempt was rendered with
     on_cost: Callable[[str, float, dict], None] | None = None  # ("startup" | "save", seconds, details)
     seen: list[tuple[int, float]] = field(default_factory=list)
-    lines_read: list[tuple[str, Progress | None]] = field(default_factory=list)  # the last gather's stdout lines
-    saves_read: list[int] = field(default_factory=list)    # the steps the last gather's save lines named
+    lines_read: list[tuple[str, Progress | None]] = field(default_factory=list)  # stdout lines not yet taken
+    saves_read: list[int] = field(default_factory=list)    # steps save lines named, not yet taken
     saves_pending: set[int] = field(default_factory=set)
     saves: list[float] = field(default_factory=list)
     saves_measured: set[int] = field(default_factory=set)  # a save named again later (`last_model_checkpoint`, an
@@ -93,10 +93,9 @@ class AttemptWatch:
 
     def gather(self, now: float, mono: float, drain: bool = False) -> list[Progress]:
         """Read what is new; returns the new step records (stdout first, then logging.jsonl). The stdout lines
-        read, each with its record, are kept in `lines_read`, and the steps save lines named in `saves_read`,
-        until the next gather (the health detectors read them)."""
+        read, each with its record, and the steps save lines named are kept until take_read() (the health
+        detectors read them, a drain's included)."""
         fresh: list[Progress] = []
-        self.lines_read, self.saves_read = [], []
         for line in self.log.lines(None if drain else 8 << 20):
             p = progress.parse_line(line)
             self.lines_read.append((line, p))
@@ -165,6 +164,12 @@ class AttemptWatch:
     def _check(self, p: Progress, line: str) -> None:
         if progress.andon(p) and not self.bad:
             self.bad, self.bad_step = (line.strip()[:500],), p.step
+
+    def take_read(self) -> tuple[list[tuple[str, Progress | None]], list[int]]:
+        """Returns the stdout lines (each with its record) and the save steps read since the last call."""
+        read = self.lines_read, self.saves_read
+        self.lines_read, self.saves_read = [], []
+        return read
 
     @property
     def at_end(self) -> bool:

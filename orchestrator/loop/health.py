@@ -83,13 +83,14 @@ class RunHealth:
 
     def observe(self, a: AttemptWatch, fresh: list[Progress], now: float, mono: float) -> HealthSeen:
         """Feeds one pass's reading to the detectors; returns what they found and the action it calls for."""
+        lines, saves = a.take_read()
         if a.row.kind == AttemptKind.EXPORT or self.throughput is None:
             return HealthSeen()
-        found = [f for line, parsed in a.lines_read for f in self.watch.line(line, mono, parsed)]
+        found = [f for line, parsed in lines for f in self.watch.line(line, mono, parsed)]
         found += [f for p in fresh for f in self.watch.observe(p)]
         self.metrics.loss_level(self.watch.loss_level)
         tr = self.throughput
-        for step in a.saves_read:
+        for step in saves:
             tr.pause(step)
         slow = [f for p in fresh for f in tr.observe(p.step, now)]
         if tr.ratio is not None:
@@ -140,9 +141,8 @@ class RunHealth:
 
     def end(self, now: float) -> None:
         """The attempt ended: a slow spell still open is recorded as a `slow` span (once)."""
-        if self.throughput and (spell := self.throughput.open_spell(now)):
+        if self.throughput and (spell := self.throughput.close_spell(now)):
             self.ctx.journal.span(*spell, "slow")
-            self.throughput.dropped = None
 
     def _logged(self) -> list[Progress]:
         """The run's step records so far, from its logging.jsonl (a supervisor restarted mid-run)."""

@@ -36,7 +36,7 @@ from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.health import HealthSeen, RunHealth
 from orchestrator.loop.run import RunContext
 from orchestrator.loop.ticker import Ticker
-from orchestrator.types import AttemptKind, Crash, CrashClass, ExitStatus, Phase
+from orchestrator.types import AttemptKind, Crash, CrashClass, ExitStatus, Phase, Progress
 
 CHECKPOINT_SCAN_S = 2.0
 ECHO_PROGRESS_S = 10.0
@@ -186,14 +186,15 @@ class Observer:
         for p in fresh:
             self.metrics.observe_progress(p)
         self._echo_progress(a, now, mono)
-        health = self.health.observe(a, fresh, now, mono)
         disk_full = self.keep_space(a) if self.scan() else None
         self.ticker.housekeeping()
         exit_ = a.launched.status
         if exit_ is not None:
-            self.drain(a)  # everything it wrote before exiting, however much
+            fresh += self.drain(a)  # everything it wrote before exiting, however much
+        health = self.health.observe(a, fresh, now, mono)
         last = a.last.step if a.last else None
-        verified, torn = False, tuple[str, ...]()
+        verified: bool = False
+        torn: tuple[str, ...] = ()
         if exit_ is not None and a.at_end and last is not None:  # how the last step's checkpoint fared
             verified, torn = self.ctx.checkpoints.verified_at(last), tuple(self.ctx.checkpoints.failed_at(last))
         return Observation(
@@ -203,11 +204,14 @@ class Observer:
             resume_divergence=self._resume_divergence(a) if exit_ is None else None, health=health,
             hang=self._hang(a, now, mono) if exit_ is None else None)
 
-    def drain(self, a: AttemptWatch) -> None:
-        """Reads everything an exited trainer wrote (log, logging.jsonl, checkpoints) before it is recorded."""
-        for p in a.gather(self.host.now(), self.host.monotonic(), drain=True):
+    def drain(self, a: AttemptWatch) -> list[Progress]:
+        """Reads everything an exited trainer wrote (log, logging.jsonl, checkpoints) before it is recorded;
+        returns the step records it read."""
+        fresh = a.gather(self.host.now(), self.host.monotonic(), drain=True)
+        for p in fresh:
             self.metrics.observe_progress(p)
         self.scan(force=True)
+        return fresh
 
     def scan(self, force: bool = False) -> bool:
         """Scans and verifies new checkpoints, at most every CHECKPOINT_SCAN_S unless forced; True when it did."""

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from recipes import merge, write_recipe
+from orchestrator.domain.health import HEALTH_KINDS
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import load, recipe_hash
@@ -67,15 +68,9 @@ def published_at(recipe_path: Path, *overrides: str) -> Path:
     return publish_dir(r.run.persistent_dir, r.run.name, recipe_hash(r))
 
 
-# Run-health events (domain/health.py HEALTH_KINDS): a supervised run that is not about them must raise none.
-HEALTH = ("loss_spike", "grad_norm_spike", "loss_divergence", "loss_limit", "resume_divergence",
-          "progress_unreadable", "throughput_drop", "throughput_recovered", "checkpoint_unchanged",
-          "checkpoint_nonfinite")
-
-
 def health_events(output_dir: Path) -> list[dict]:
     """The run-health events of a run."""
-    return [e for e in events(output_dir) if e["kind"] in HEALTH]
+    return [e for e in events(output_dir) if e["kind"] in HEALTH_KINDS]
 
 
 def supervise(recipe_path: Path, *overrides: str, healthy: bool = True):
