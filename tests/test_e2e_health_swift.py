@@ -29,6 +29,7 @@ from orchestrator.loop.supervisor import Supervisor
 from orchestrator.types import ExitCode
 from supervised import attempts, events, health_events, journal
 from swift_recipe import recipe
+from cpu_cgroup import CPU_V1, why_no_cpu_quota
 
 pytestmark = [pytest.mark.swift,
               pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")]
@@ -91,17 +92,9 @@ def test_when_every_resume_loads_wrong_weights_the_run_stops_saying_the_resume_p
     assert all(r.ended_at is not None for r in attempts(out))
 
 
-def _cgroup_why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to make a cgroup and set its CPU quota"
-    if not Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
-        return "no cgroup v1 cpu controller at /sys/fs/cgroup/cpu"
-    return None
-
-
-@pytest.mark.skipif(_cgroup_why_not() is not None, reason=str(_cgroup_why_not()))
+@pytest.mark.skipif(why_no_cpu_quota() is not None, reason=str(why_no_cpu_quota()))
 def test_a_cut_cpu_quota_is_a_throughput_drop_with_evidence_then_recovered_and_slow_in_goodput(tiny, tmp_path):
-    cg = Path("/sys/fs/cgroup/cpu") / f"orchestrator-e2e-{os.getpid()}"
+    cg = CPU_V1 / f"orchestrator-e2e-{os.getpid()}"
     cg.mkdir()
     out = tmp_path / "out"
     r = recipe(tiny, tmp_path, "optim.iterations=5000", "checkpoint.save_steps=5000", "health.slowdown_window_s=8")

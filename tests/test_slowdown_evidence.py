@@ -14,6 +14,7 @@ from orchestrator.host import slowdown_evidence as se
 from orchestrator.host.base import LocalHost
 from orchestrator.host.gpu import NullReader
 from fake_host import FakeHost
+from cpu_cgroup import CPU_V1, why_no_cpu_quota
 
 STAT0 = "cpu  1000 0 500 8000 100 0 0 0 0 0\ncpu0 1000 0 500 8000 100 0 0 0 0 0\nintr 1\n"
 STAT1 = "cpu  1300 0 600 8300 200 0 0 100 0 0\ncpu0 1300 0 600 8300 200 0 0 100 0 0\nintr 2\n"
@@ -187,18 +188,7 @@ def test_fake_host_scripts_it():
     assert h.slowdown_evidence(t).unavailable and ("slowdown_evidence", t.pid) in h.calls
 
 
-CPU_V1 = Path("/sys/fs/cgroup/cpu")
-
-
-def _v1_cpu_writable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to make a cgroup"
-    if not (CPU_V1 / "cpu.cfs_quota_us").exists():
-        return f"no cgroup v1 cpu controller at {CPU_V1}"
-    return None
-
-
-@pytest.mark.skipif(_v1_cpu_writable() is not None, reason=str(_v1_cpu_writable()))
+@pytest.mark.skipif(why_no_cpu_quota() is not None, reason=str(why_no_cpu_quota()))
 def test_real_cpu_quota_cgroup_shows_throttling():
     """A busy child in a cgroup limited to 10% of a CPU: the reader finds that cgroup from the child's pid
     and sees nr_throttled rise over its sampling interval (what the CPU-quota e2e test relies on)."""

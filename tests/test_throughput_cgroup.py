@@ -9,28 +9,19 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from orchestrator.domain.slowdown_clues import clues
 from orchestrator.domain.throughput import THROUGHPUT_DROP, THROUGHPUT_RECOVERED, ThroughputParams, ThroughputTracker
 from orchestrator.host import slowdown_evidence as se
+from cpu_cgroup import CPU_V1, why_no_cpu_quota
 
-CPU_V1 = Path("/sys/fs/cgroup/cpu")
 # a step: a fixed amount of CPU work, then its step line (what a trainer's progress line is to the supervisor)
 TRAINER = "import sys\nfor s in range(1, 10**7):\n    sum(range(20000))\n    print(s, flush=True)\n"
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to make a cgroup and set its CPU quota"
-    if not (CPU_V1 / "cpu.cfs_quota_us").exists():
-        return f"no cgroup v1 cpu controller at {CPU_V1}"
-    return None
-
-
-@pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+@pytest.mark.skipif(why_no_cpu_quota() is not None, reason=str(why_no_cpu_quota()))
 def test_a_cut_cpu_quota_is_a_throughput_drop_with_the_cgroup_as_evidence_then_recovers():
     cg = CPU_V1 / f"orchestrator-throughput-{os.getpid()}"
     cg.mkdir()
