@@ -13,14 +13,15 @@ from orchestrator.store import checkpoints as ck
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def write_adapter(path: Path, rank: int = 8, layers: int = 2, lora: bool = True) -> None:
+def write_adapter(path: Path, rank: int = 8, layers: int = 2, lora: bool = True, step: int = 0) -> None:
+    """Writes a LoRA adapter (or plain weights); `step` moves lora_B, as training between two saves does."""
     t = {}
     for i in range(layers):
         for mod in ("q_proj", "v_proj"):
             base = f"base_model.model.model.layers.{i}.self_attn.{mod}"
             if lora:
                 t[f"{base}.lora_A.weight"] = np.full((rank, 16), 0.01 * (i + 1), np.float32)
-                t[f"{base}.lora_B.weight"] = np.full((16, rank), 0.02, np.float32)
+                t[f"{base}.lora_B.weight"] = np.full((16, rank), 0.02 + 1e-4 * step, np.float32)
             else:
                 t[f"{base}.weight"] = np.ones((16, 16), np.float32)
     save_file(t, str(path), metadata={"format": "pt"})
@@ -70,7 +71,7 @@ def make_megatron(out: Path, step: int, rank: int = 8, safetensors: bool = True,
         (it / "__0_0.distcp").write_bytes(os.urandom(4096))
         (it / ".metadata").write_bytes(b"meta")
     if safetensors:
-        write_adapter(d / "adapter_model.safetensors", rank)
+        write_adapter(d / "adapter_model.safetensors", rank, step=step)   # distinct per save: not a stale copy
         if config:
             adapter_config(d, rank)
     if iter_file:
