@@ -96,3 +96,44 @@ def test_the_evidence_of_a_hang_is_taken_while_the_trainer_runs(world):
     host.mono += 601
     assert sup.step() is State.CRASHED and sup.attempt.crash.cls is CrashClass.NCCL_TIMEOUT_HANG
     assert ("evidence", t.pid, None) in host.calls
+
+
+BUS = ("RuntimeError: DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that dataloader's "
+       "workers are out of shared memory. Please try to raise your shared memory limit.")
+
+
+def shm_disks(total_gib: float, free_gib: float) -> SystemEvidence:
+    return SystemEvidence(disks=(DiskSpace("output_dir", "/o", 500 * GIB, 1000 * GIB, 10**6),
+                                 DiskSpace("/dev/shm", "/dev/shm", int(free_gib * GIB), int(total_gib * GIB), 10**6)),
+                          kernel_log="k")
+
+
+def test_a_container_s_small_dev_shm_gives_up_with_the_fix(world):
+    """Docker's 64 MiB /dev/shm: no wait frees enough, every relaunch would die the same way."""
+    sup, host = world()
+    host.system = shm_disks(total_gib=0.0625, free_gib=0.0)
+    crashed(sup, host, BUS)
+    assert sup.attempt.crash.cls is CrashClass.DISK_FULL
+    assert drive(sup, State.GAVE_UP) is State.GAVE_UP
+    crash = next(e for e in journal(sup).events() if e["kind"] == "crash")
+    assert "/dev/shm exhausted and only 64 MiB in all" in crash["message"] and "--shm-size" in crash["message"], crash
+    assert not [c for c in host.calls if c[0] == "launch"][1:], "nothing relaunched"
+
+
+def test_a_full_dev_shm_waits_for_shared_memory_not_for_the_output_disk(world):
+    """A 16 GiB /dev/shm that is full: the run's unmapped NCCL segments go, the wait is for /dev/shm's space."""
+    sup, host = world()
+    host.system = shm_disks(total_gib=16, free_gib=0.01)
+    host.free_at["/dev/shm"] = 0.01
+    host.shm = {"nccl-shm-run-1": []}   # left by the dead rank, mapped by nobody
+    crashed(sup, host, BUS)
+    since_crash = len(host.calls)
+    assert drive(sup, State.WAITING) is State.WAITING
+    assert sup.step() is State.WAITING
+    assert ("remove_shm", ("nccl-shm-run-1",)) in host.calls
+    waiting = [e for e in journal(sup).events() if e["kind"] == "disk_full"]
+    assert waiting and waiting[-1]["message"].startswith("/dev/shm: 0.0 GiB free, waiting for 1"), waiting
+    assert {c[1] for c in host.calls[since_crash:] if c[0] == "free_gib"} == {"/dev/shm"}
+    host.free_at["/dev/shm"] = 12.0   # whatever held it is gone
+    assert drive(sup, State.RUNNING) is State.RUNNING
+    assert len([c for c in host.calls if c[0] == "launch"]) == 2

@@ -67,6 +67,7 @@ def test_plan_shape(write_recipe):
 def test_plan_all_ok(write_recipe, tmp_path):
     r = R.load(write_recipe(supervisor={"min_free_gib": 0}))
     checks = by_name(plan.plan(r, FakeReader(gpus(8)))["checks"])
+    assert checks.pop("shared_memory")["fatal"] is False   # its verdict is this machine's /dev/shm's
     assert {n: c["ok"] for n, c in checks.items()} == {
         "model": True, "dataset": True, "disk:output_dir": True, "disk:persistent_dir": True, "gpus": True,
         "rendezvous_port": True, "experts_divisible_by_ep": True, "global_batch_divisible": True, "trainer": True}
@@ -269,7 +270,7 @@ def test_check_layout(write_recipe, sections, ep_ok, ep_fatal):
 def test_preflight_names(write_recipe):
     names = [c.name for c in preflight.checks(R.load(write_recipe()), gpus(8))]
     assert names == ["model", "dataset", "disk:output_dir", "disk:persistent_dir", "gpus", "rendezvous_port",
-                     "experts_divisible_by_ep", "global_batch_divisible", "trainer"]
+                     "experts_divisible_by_ep", "global_batch_divisible", "trainer", "shared_memory"]
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -327,3 +328,21 @@ def test_plan_shows_the_save_interval(save_steps, mode, monkeypatch, tmp_path):
     assert plan.plan(r, FakeReader(NO_DRIVER))["save_interval"]["auto"]["steps"] < si["auto"]["steps"]
     node_history.NodeHistory().record(run_id(r.run.output_dir), 1000, 1.0, 1.0)  # its own entry is not "earlier"
     assert plan.plan(r, FakeReader(NO_DRIVER))["save_interval"]["auto"]["failures"] == 40
+
+
+@pytest.mark.parametrize("parallel, data, ok", [
+    ({"nproc_per_node": 8}, {}, False),                                       # NCCL's shm transport
+    ({"nproc_per_node": 1, "expert": 1}, {"dataloader_num_workers": 4}, False),   # DataLoader batches
+    ({"nproc_per_node": 1, "expert": 1}, {}, True),                           # nothing puts much there
+], ids=["eight_ranks", "workers", "one_rank"])
+def test_check_shm_on_a_container_sized_tmpfs(write_recipe, mount_tmpfs, parallel, data, ok):
+    shm = mount_tmpfs("size=64m")     # Docker's default /dev/shm
+    c = preflight.check_shm(R.load(write_recipe(parallel=parallel, data=data)), str(shm))
+    assert (c.ok, c.fatal) == (ok, False) and "64 MiB in all" in c.detail, c
+    if not ok:
+        assert "too small for" in c.detail and "--shm-size" in c.detail
+
+
+def test_check_shm_names_a_missing_mount(write_recipe, tmp_path):
+    c = preflight.check_shm(R.load(write_recipe()), str(tmp_path / "no-shm"))
+    assert not c.ok and not c.fatal and "cannot read its size" in c.detail

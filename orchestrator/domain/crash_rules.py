@@ -43,6 +43,7 @@ _SHM = (r"killed by signal: Bus error", r"Unexpected bus error encountered in wo
         r"\bout of shared memory\b", r"unable to write to file </?torch_", r"unable to allocate shared memory",
         r"(?:failed to extend|Error while creating shared memory segment)\s+/dev/shm/",
         r"posix_fallocate failed\s*:\s*No space left", r"/dev/shm\b.*\b(?:No space left|ENOSPC|errno:? ?28)")
+SHM_PATTERNS = _SHM                                   # policy tells a /dev/shm disk_full by them
 _SHM_KW = ("bus error", "shared memory", "</torch_", "torch_", "/dev/shm", "posix_fallocate")
 _NCCL_REMOTE = r"remote process exited|ncclRemoteError|network error"      # a peer vanished (or the network)
 # A process that died of SIGKILL (torchrun, DeepSpeed launcher, spawn, accelerate, shells, job control,

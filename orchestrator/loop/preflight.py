@@ -13,11 +13,11 @@ from pathlib import Path
 from orchestrator.config.model_shape import known_config
 from orchestrator.host import gpu
 from orchestrator.host.launch import local as launcher, slurm
-from orchestrator.domain import storage
+from orchestrator.domain import policy, storage
 from orchestrator.host.probe import exists, first_free_port, free_bytes, held_bytes, mount_point
 from orchestrator.config.recipe import Recipe, expert_count, read_model_config
 from orchestrator.config.render.command import render_command
-from orchestrator.types import Check, GpuSnapshot
+from orchestrator.types import GIB, Check, GpuSnapshot
 
 
 def check_model(r: Recipe) -> Check:
@@ -145,6 +145,24 @@ def check_port(r: Recipe) -> Check:
     return Check("rendezvous_port", True, f"{port} free (range {lo}-{hi})")
 
 
+def check_shm(r: Recipe, shm: str = "/dev/shm") -> Check:
+    """Checks that /dev/shm can hold what NCCL's shm transport and DataLoader workers put there (a container's
+    64 MiB default kills them with Bus errors). Not fatal: a run without both may never need it."""
+    users = [f"{n} {who}" for who, n in (("ranks", r.parallel.nproc_per_node),
+                                         ("DataLoader workers", r.data.dataloader_num_workers)) if n > 1]
+    try:
+        st = os.statvfs(shm)
+    except OSError as e:
+        return Check("shared_memory", False, f"{shm}: cannot read its size ({e.strerror}); NCCL and DataLoader workers "
+                                             "need it", fatal=False)
+    total_gib = st.f_blocks * st.f_frsize / GIB
+    detail = f"{shm}: {total_gib * 1024:.0f} MiB in all, {st.f_bavail * st.f_frsize / GIB * 1024:.0f} MiB free"
+    if not users or total_gib >= policy.SHM_MIN_GIB:
+        return Check("shared_memory", True, detail, fatal=False)
+    return Check("shared_memory", False, f"{detail}: too small for {' and '.join(users)} "
+                                         f"(at least {policy.SHM_MIN_GIB:g} GiB); {policy.SHM_FIX}", fatal=False)
+
+
 def check_slurm(r: Recipe, environ=os.environ) -> list[Check]:
     """parallel.nnodes > 1 runs as a Slurm job step: only inside an allocation (docs/slurm.md).
     One node: no check (today's plan, unchanged)."""
@@ -205,7 +223,7 @@ def check_layout(r: Recipe) -> list[Check]:
 
 def checks(r: Recipe, snap: GpuSnapshot) -> list[Check]:
     return [check_model(r), check_data(r), *check_storage(r, *storage_budget(r)), check_gpus(r, snap), check_port(r),
-            *check_layout(r), check_trainer(r), *check_slurm(r)]
+            *check_layout(r), check_trainer(r), check_shm(r), *check_slurm(r)]
 
 
 def stoppers(checks: list[Check]) -> list[Check]:

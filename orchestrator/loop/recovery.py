@@ -25,7 +25,7 @@ from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.gpu_gate import GpuGate
 from orchestrator.loop.run import RunContext
 from orchestrator.loop.ticker import Ticker
-from orchestrator.types import Action, Alert, Crash, CrashClass, State
+from orchestrator.types import GIB, Action, Alert, Crash, CrashClass, State
 
 
 class Recovery:
@@ -94,7 +94,9 @@ class Recovery:
         assert a.crash is not None
         now = self.host.now()
         progressed = self.ctx.checkpoints.newest_good_step() > a.good_step_at_launch
-        a.decision = policy.decide(a.crash, self.history, self.recipe.supervisor, now, progressed)
+        shm_total = next((d["total_bytes"] / GIB for d in (a.row.system or {}).get("disks", []) if d["role"] == "/dev/shm"),
+                         None)
+        a.decision = policy.decide(a.crash, self.history, self.recipe.supervisor, now, progressed, shm_total)
         self.history = policy.next_history(self.history, a.crash, now, progressed)
         self.metrics.crash(a.crash.cls)
         self.journal.event("crash", f"attempt {a.n}: {a.crash.cls.value} -> {a.decision.action.value}:"
@@ -136,7 +138,7 @@ class Recovery:
                 if ready is None:
                     return State.STOPPED
                 waited_for = ready.waiting_for
-            if d.action is Action.WAIT_FOR_SPACE and not self._space_back():
+            if d.action is Action.WAIT_FOR_SPACE and not self._space_back(a.crash):
                 return State.WAITING
             took = self.host.monotonic() - mono
         self.journal.event("wait", f"{'verified' if verified else 'fixed'} wait {took:.2f} s"
@@ -146,12 +148,19 @@ class Recovery:
         self.ticker.housekeeping()
         return State.VERIFYING
 
-    def _space_back(self) -> bool:
-        """disk_full: retries the manifests a full disk refused, prunes, and tells whether min_free_gib is free."""
-        checkpoints, out = self.ctx.checkpoints, self.recipe.run.output_dir
-        checkpoints.retry_manifests()  # a full disk refused them; unpublished copies wait for them
-        checkpoints.prune(self.ctx.keep_local, pressure=True, writing=False)  # torn saves, what was published
-        free, need = self.host.free_gib(out), self.recipe.supervisor.min_free_gib
+    def _space_back(self, crash: Crash) -> bool:
+        """disk_full: frees what the run may free and tells whether enough is free again: on /dev/shm, the run's
+        NCCL segments nobody maps are removed and SHM_MIN_GIB must be free; on output_dir, the manifests a full
+        disk refused are retried, checkpoints pruned, and min_free_gib must be free."""
+        if policy.shared_memory_full(crash):
+            self._remove_orphan_segments()
+            out, need = "/dev/shm", policy.SHM_MIN_GIB
+        else:
+            checkpoints, out = self.ctx.checkpoints, self.recipe.run.output_dir
+            checkpoints.retry_manifests()  # a full disk refused them; unpublished copies wait for them
+            checkpoints.prune(self.ctx.keep_local, pressure=True, writing=False)  # torn saves, what was published
+            need = self.recipe.supervisor.min_free_gib
+        free = self.host.free_gib(out)
         if free < need:
             self.journal.event("disk_full", f"{out}: {free:.1f} GiB free, waiting for {need:g}")
             self.ticker.housekeeping()
@@ -159,20 +168,24 @@ class Recovery:
         self.metrics.alert(Alert.DISK_FULL, False)
         return True
 
+    def _remove_orphan_segments(self) -> dict[str, list[int]]:
+        """Removes the run's NCCL shm segments nobody maps (a SIGKILLed rank's: no wait frees them) and returns
+        the rest with the pids that map them."""
+        shm = self.host.shm_segments(self.ctx.run_id)
+        if orphans := sorted(n for n, pids in shm.items() if not pids):
+            self.host.remove_shm(orphans)
+            self.journal.event("cleanup", f"removed {len(orphans)} NCCL shm segment(s) nobody maps", names=orphans)
+        return {n: pids for n, pids in shm.items() if pids}
+
     def _await_ready(self, floor_s: float, bound_s: float) -> policy.Readiness | None:
         """Polls the host until policy.readiness_verdict says go; None when a stop cut it short."""
         run = self.ctx.run_id
         begun, lo, hi = self.host.monotonic(), *self.recipe.supervisor.port_range
         while True:
-            shm = self.host.shm_segments(run)
-            orphans = sorted(n for n, pids in shm.items() if not pids)
-            if orphans:  # left by a SIGKILLed rank: no wait frees them, nobody maps them
-                self.host.remove_shm(orphans)
-                self.journal.event("cleanup", f"removed {len(orphans)} NCCL shm segment(s) nobody maps", names=orphans)
+            shm = self._remove_orphan_segments()
             gpu_problems = self.gpus.verdict(self.host.gpu_snapshot())[1] if self.recipe.gpu.check else []
             ready = policy.readiness_verdict(
-                self.host.monotonic() - begun, floor_s, bound_s, self.host.leftovers(run), gpu_problems,
-                {n: pids for n, pids in shm.items() if pids},
+                self.host.monotonic() - begun, floor_s, bound_s, self.host.leftovers(run), gpu_problems, shm,
                 first_free_port(lo, hi, is_free=self.host.port_free) is not None)
             if ready.go:
                 return ready

@@ -250,8 +250,7 @@ class Observer:
         if a.resume is None or a.first_logged is None or a.resume_checked:
             return None
         a.resume_checked = True
-        p, c = a.first_logged, self.recipe.checkpoint
-        return policy.resume_verdict(a.resume.step, p.step, None, None, c.logging_steps, c.resume_loss_tolerance)
+        return policy.resume_verdict(a.resume.step, a.first_logged.step, self.recipe.checkpoint.logging_steps)
 
     def _hang(self, a: AttemptWatch, now: float, mono: float) -> str | None:
         """No new step within the attempt's hang timer (policy.hang_timeout), and no save in progress: at 397B a

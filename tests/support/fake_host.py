@@ -50,7 +50,8 @@ class FakeHost:
     cmdlines: dict[int, str] = field(default_factory=dict)
     leftover_pids: list[int] = field(default_factory=list)
     taken_ports: set[int] = field(default_factory=set)
-    free: float = 1000.0                                           # GiB free on every path
+    free: float = 1000.0                                           # GiB free on every path not in free_at
+    free_at: dict[str, float] = field(default_factory=dict)        # GiB free on these paths
     calls: list[tuple] = field(default_factory=list)
     trainers: list[FakeTrainer] = field(default_factory=list)
     on_wait: object = None   # callable(host, seconds): the world moves while the loop waits
@@ -159,7 +160,7 @@ class FakeHost:
 
     def free_gib(self, path: str) -> float:
         self.calls.append(("free_gib", path))
-        return self.free
+        return self.free_at.get(path, self.free)
 
     def shm_segments(self, run_id: str) -> dict[str, list[int]]:
         self.calls.append(("shm_segments",))
@@ -192,7 +193,7 @@ class FakeHost:
         self.calls.append(("evidence", trainer.pid, port))
         s = self.system or SystemEvidence(kernel_log="fake kmsg")
         if not s.disks:
-            s = replace(s, disks=tuple(DiskSpace(role, p, int(self.free * GIB), 2000 * GIB, 10**6)
+            s = replace(s, disks=tuple(DiskSpace(role, p, int(self.free_at.get(p, self.free) * GIB), 2000 * GIB, 10**6)
                                        for role, p in paths.items()))
         return s
 
