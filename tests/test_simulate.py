@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 
 from orchestrator.loop import preflight
-from orchestrator.domain import simulate as S
 from orchestrator.domain import simulate_report as R
 from orchestrator.domain import slow_schedule as SS
 from orchestrator.config.recipe import SupervisorSection
-from orchestrator.domain.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, analytic_ratio, compare, simulate
+from orchestrator.domain.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, simulate
+from orchestrator.domain.simulate_stats import analytic_ratio, compare, summarize
 
 # No crash-loop backoff, no give-up: the policy reduces to its per-class waits.
 NO_GUARDS = SupervisorSection(max_crashes_per_hour=10**6, max_relaunches_without_progress=10**6)
@@ -19,7 +19,7 @@ FLA = Scenario(per_step={"fla_backward_oom": 1 / 500})
 
 
 def ratio(sc: Scenario, loop: str, seeds=range(50), cfg: SupervisorSection | None = None) -> float:
-    return S.summarize([simulate(sc, loop, s, cfg) for s in seeds]).ratio
+    return summarize([simulate(sc, loop, s, cfg) for s in seeds]).ratio
 
 
 # --- accounting ----------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_deterministic_with_a_seed():
 def test_more_frequent_saves_reduce_lost_progress(loop):
     lost = []
     for k in (1000, 500, 200, 100, 50, 20):
-        sm = S.summarize([simulate(replace(FLA, save_steps=k), loop, s, NO_GUARDS) for s in range(40)])
+        sm = summarize([simulate(replace(FLA, save_steps=k), loop, s, NO_GUARDS) for s in range(40)])
         lost.append(sm.lost_share["lost_progress"])
     assert lost == sorted(lost, reverse=True), lost
     assert lost[0] > 5 * lost[-1]
@@ -148,8 +148,8 @@ def test_foreign_port_collision_is_a_free_immediate_retry():
 
 def test_stale_holders_repeat_cold_start_ooms_only_without_gpu_verification():
     sc = replace(FLA, stale_prob=1.0, stale_mean_s=900.0, stale_killable=0.5)
-    plain, orch = S.summarize([simulate(sc, "plain", s) for s in range(20)]), \
-        S.summarize([simulate(sc, "orchestrator", s) for s in range(20)])
+    plain, orch = summarize([simulate(sc, "plain", s) for s in range(20)]), \
+        summarize([simulate(sc, "orchestrator", s) for s in range(20)])
     assert plain.crashes_per_run["cold_start_oom"] > plain.crashes_per_run["fla_backward_oom"]
     assert "cold_start_oom" not in orch.crashes_per_run
     assert orch.lost_share["gpu_busy"] > 0 and orch.lost_share["failed_launch"] == 0
@@ -402,11 +402,11 @@ def test_the_plain_loop_and_warn_train_through_it_at_its_speed():
 
 def test_restart_pays_when_it_fixes_and_costs_when_it_does_not():
     seeds = range(8)
-    warn = S.summarize([simulate(SLOW, "orchestrator", s) for s in seeds]).ratio
+    warn = summarize([simulate(SLOW, "orchestrator", s) for s in seeds]).ratio
     fixes = [simulate(replace(SLOW, on_slowdown="restart", slow_restart_fixes=1.0), "orchestrator", s) for s in seeds]
-    never = S.summarize([simulate(replace(SLOW, on_slowdown="restart", slow_restart_fixes=0.0, startup_s=600),
+    never = summarize([simulate(replace(SLOW, on_slowdown="restart", slow_restart_fixes=0.0, startup_s=600),
                                   "orchestrator", s) for s in seeds]).ratio
-    assert S.summarize(fixes).ratio > warn > never
+    assert summarize(fixes).ratio > warn > never
     for r in fixes:   # at most one restart per hour of wall time
         assert 0 < r.slow_restarts <= r.wall_s / 3600 + 1
         assert r.by_class.get("slowdown_restart", 0) > 0   # its exits and start-ups, charged to it
