@@ -56,6 +56,11 @@ _SUB = {"sft": "sft", "pt": "pre-training (`pt`)", "rlhf": "RLHF (`rlhf`)", "inf
         "sample": "sampling (`sample`)", "rollout": "rollout (`rollout`)", "app": "an app (`app`)",
         "web-ui": "the web UI (`web-ui`)", "merge-lora": "a LoRA merge (`merge-lora`)"}
 _LAUNCHERS = {"torchrun"}
+# environment managers whose `run` subcommand runs the command after it (`uv run`, `conda run -n env`), and their
+# options that take a value
+_RUNNERS = {"uv", "conda", "mamba", "micromamba", "poetry", "pipenv", "pixi"}
+_RUNNER_VALUED = {"-n", "--name", "-p", "--prefix", "--python", "--with", "--project", "--directory", "--env",
+                  "--environment", "-e", "--manifest-path"}
 _PYTHON = re.compile(r"^(.*/)?python(3(\.\d+)?)?$")
 _SCRIPT = re.compile(r"(^|/)swift/cli/(_megatron/)?([a-z_]+)\.py$")
 _MODULE = re.compile(r"^swift\.cli\.(_megatron\.)?([a-z_]+)$")
@@ -81,6 +86,13 @@ def _launched(words: tuple[str, ...]) -> tuple[str, str, str, tuple[tuple[str, s
     if prog == "env":
         while rest and "=" in rest[0]:
             rest = rest[1:]
+        return _launched(tuple(rest))
+    if prog in _RUNNERS and rest[:1] == ["run"]:  # `uv run torchrun ...`: the environment manager runs the rest
+        rest = rest[1:]
+        while rest and rest[0].startswith("-"):
+            opt = rest.pop(0)
+            if opt in _RUNNER_VALUED and rest:
+                rest.pop(0)
         return _launched(tuple(rest))
     python = bool(_PYTHON.match(words[0]))
     if python and rest[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
@@ -146,12 +158,24 @@ def find_training(cmds: list[Command]) -> tuple[Training, Command]:
     c, (prog, _sub, backend, launcher, argv) = found[0]
     if c.problems:
         raise ImportRefused(list(c.problems))
+    _continued(c, cmds)
     if c.unresolved:
         names = ", ".join(f"${n}" for n in c.unresolved)
         raise ImportRefused([f"{_where(c)}: no value for {names}: give each with --var NAME=VALUE"],
                             unresolved=c.unresolved)
     return Training(backend, f"{prog} sft", parse_flags(argv, c), dict(c.env), c.line, launcher,
                     tuple(others)), c
+
+
+def _continued(c: Command, cmds: list[Command]) -> None:
+    """ImportRefused when the command after the training one starts with a flag: a line of the training command
+    lost its `\\` (or has a comment after it), so bash runs the flags below it as a command of their own."""
+    after = cmds[cmds.index(c) + 1:cmds.index(c) + 2]
+    if after and after[0].words and after[0].words[0].startswith("-") and not after[0].prefix:
+        n = after[0].line
+        raise ImportRefused([(f"line {n}: `{after[0].words[0]}` starts a command of its own: the line before it does "
+                              f"not end with `\\` (a comment after a `\\` ends the line too), so the command at line "
+                              f"{c.line} stops there and bash runs the flags from line {n} on apart; add the `\\`")])
 
 
 _REDIRECT = re.compile(r"^\d*(>>?|<|>&|&>>?)(.*)$")
@@ -171,6 +195,10 @@ def parse_flags(argv: tuple[str, ...], c: Command) -> tuple[Flag, ...]:
         words.append(w)
     out: list[Flag] = []
     for w in words:
+        if w and not w.strip():
+            raise ImportRefused([(f"{_where(c)}: a `\\` followed by a space, not by the end of the line: bash passes a "
+                                  "lone space as an argument, which ms-swift rejects; a multi-line command pasted onto "
+                                  "one line keeps its `\\`s (remove them), and a comment after a `\\` ends the command")])
         if w.startswith("--") and len(w) > 2:
             name, eq, value = w.partition("=")
             out.append(Flag(name[2:].replace("-", "_"), name, (value,) if eq else (), c.line))

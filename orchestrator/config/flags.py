@@ -146,6 +146,7 @@ REPLACEMENTS: dict[str, dict[str, str]] = {
     "swift": {
         "train_type": _to("swift", "tuner_type", "renamed in ms-swift 4.0, alias dropped in 4.1"),
         "lr": _to("swift", "learning_rate", "`lr` is the megatron sft name"),
+        "evaluation_strategy": _to("swift", "eval_strategy", "the transformers name before 4.46"),
         "use_megatron": 'does not exist: use run.backend = "megatron" (the `megatron sft` command)',
         "megatron_use_mcore": 'does not exist: use run.backend = "megatron" (the `megatron sft` command)',
         "use_mcore": 'does not exist: use run.backend = "megatron" (the `megatron sft` command)',
@@ -202,11 +203,17 @@ RENAMED: dict[str, dict[str, str]] = {
         "lr_warmup_iters": "warmup_steps", "clip_grad": "max_grad_norm", "adam_eps": "adam_epsilon",
         "save_interval": "save_steps", "save": "output_dir", "eval_interval": "eval_steps",
         "log_interval": "logging_steps", "num_workers": "dataloader_num_workers", "no_save_optim": "save_only_model",
-        "lora_target_modules": "target_modules",
+        "lora_target_modules": "target_modules", "evaluation_strategy": "eval_strategy",
     },
 }
-for _b in BACKENDS:  # the ms-swift 2.x LoRA target name, still in old scripts
-    REPLACEMENTS[_b]["lora_target_modules"] = _to(_b, "target_modules", "the ms-swift 2.x name")
+# ms-swift 2.x names still in old scripts (3.x and 4.x reject them: `ValueError: remaining_argv`), each taking the
+# same value under its 4.x name
+_V2 = {"lora_target_modules": "target_modules", "sft_type": "tuner_type", "model_id_or_path": "model",
+       "custom_train_dataset_path": "dataset", "custom_val_dataset_path": "val_dataset", "lora_dropout_p": "lora_dropout"}
+for _b in BACKENDS:
+    for _old, _new in _V2.items():
+        REPLACEMENTS[_b][_old] = _to(_b, _new, "the ms-swift 2.x name")
+        RENAMED[_b].setdefault(_old, _new)
 
 
 def normalise(name: str) -> str:

@@ -232,6 +232,9 @@ def _one(out: Imported, backend: str, keys: dict[str, str], f: Flag, name: str, 
             _record(out, f, name, F.ALWAYS.strip("()") if name != "finetune" else F.ON_RESUME.strip("()"))
         else:
             out.drop(f.written, value, _CONSTANT_WHY[name])
+    elif name == "save_total_limit" and convert(f.values, int) <= 0:  # type: ignore[operator]
+        out.drop(f.written, value, "no limit (ms-swift keeps every checkpoint): the orchestrator prunes them itself "
+                                   "(checkpoint.keep_local, checkpoint.keep_persistent)")
     elif name in ("no_save_optim", "no_save_rng", "save_only_model"):
         keep = not convert(f.values, bool)
         partner = {"no_save_optim": "no_save_rng", "no_save_rng": "no_save_optim"}.get(name)

@@ -40,6 +40,7 @@ class Command:
 class _Raw:
     text: str
     line: int
+    cut: str = ""  # why the command looks cut off ("" when it does not)
 
 
 def logical_commands(script: str) -> list[_Raw]:
@@ -50,24 +51,26 @@ def logical_commands(script: str) -> list[_Raw]:
     line, start, quote, quote_line = 1, 1, "", 0
     i, n = 0, len(script)
 
-    def flush() -> None:
+    def flush(cut: str = "") -> None:
         text = "".join(buf).strip()
         if text:
-            out.append(_Raw(text, start))
+            out.append(_Raw(text, start, cut))
         buf.clear()
 
     while i < n:
         c = script[i]
         if c == "\\" and quote != "'":
+            if quote == "" and script[i + 1:] in ("", "\n"):
+                # the script ends in a continuation: the command is recorded as cut off, so that the caller can
+                # still say what it is (an inference command cut off is refused as inference)
+                flush(f"line {line}: the script ends with a line continuation `\\`: the command looks cut off")
+                return out
             if i + 1 >= n:
-                raise ScriptError(f"line {line}: the script ends with a line continuation `\\`: the command "
+                raise ScriptError(f"line {line}: the script ends inside a {quote} quote with a `\\`: the command "
                                   f"looks cut off")
             if script[i + 1] == "\n":  # a continuation
                 line += 1
                 i += 2
-                if quote == "" and i >= n:
-                    raise ScriptError(f"line {line - 1}: the script ends with a line continuation `\\`: the "
-                                      f"command looks cut off")
                 continue
             buf.append(script[i:i + 2])
             i += 2
@@ -241,6 +244,15 @@ class _Expander:
         return " ".join(shlex.quote(w) for w in value.split())
 
 
+def _assignments(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The leading `NAME=value` words as a dict, and the words after them."""
+    out: dict[str, str] = {}
+    while words and (m := ASSIGNMENT.fullmatch(words[0])):
+        out[m.group(1)] = m.group(2)
+        words = words[1:]
+    return out, words
+
+
 def commands(script: str, given: dict[str, str] | None = None) -> list[Command]:
     """The script's simple commands in order, expanded with the variables assigned before each one;
     `given` (--var NAME=VALUE) wins over the script's own assignments."""
@@ -251,6 +263,8 @@ def commands(script: str, given: dict[str, str] | None = None) -> list[Command]:
     out: list[Command] = []
     for raw in logical_commands(script):
         ex = _Expander(values, taint, raw.line)
+        if raw.cut:
+            ex.problems.append(raw.cut)
         try:
             words = shlex.split(ex.expand(raw.text))
         except ScriptError:
@@ -262,11 +276,11 @@ def commands(script: str, given: dict[str, str] | None = None) -> list[Command]:
         exporting = words[:1] == ["export"] or words[:2] == ["declare", "-x"]
         if exporting:
             words = words[2:] if words[0] == "declare" else words[1:]
-        prefix: dict[str, str] = {}
-        while words and ASSIGNMENT.fullmatch(words[0]):
-            name, value = ASSIGNMENT.fullmatch(words[0]).groups()  # type: ignore[union-attr]
-            prefix[name] = value
-            words = words[1:]
+        prefix, words = _assignments(words)
+        if not exporting and prefix and words[:1] == ["export"]:
+            # `A=1 export B=2`: bash exports B and forgets A, which lived only for the `export` builtin
+            exporting = True
+            prefix, words = _assignments(words[1:])
         if exporting or not words:  # assignments (and `export NAME` of an earlier one)
             for name, value in prefix.items():
                 if name not in given:

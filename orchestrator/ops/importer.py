@@ -16,6 +16,7 @@ from orchestrator.config import recipe as R
 from orchestrator.config.command_form import ImportRefused, Training, find_training
 from orchestrator.config.import_check import round_trip_problems
 from orchestrator.config.importer import Imported, translate
+from orchestrator.config.paste import unwrap
 from orchestrator.config.render.command import render_command, rendering_problems
 from orchestrator.config.shell_script import ScriptError, commands
 from orchestrator.ops.demo import to_toml
@@ -71,7 +72,7 @@ def _from_flags(problems: tuple[R.Problem, ...], imported: Imported) -> list[str
 def import_script(text: str, source: str, output: Path | None, variables: dict[str, str]) -> Result:
     """SCRIPT's text -> Result; ImportRefused (exit 2) for anything that keeps it from a valid recipe."""
     try:
-        cmds = commands(text, variables)
+        cmds = commands(unwrap(text), variables)
     except ScriptError as e:
         raise ImportRefused([str(e)]) from None
     t, _ = find_training(cmds)
@@ -158,8 +159,8 @@ def main(script: str, output: Path | None, variables: tuple[str, ...], force: bo
     def refuse(e: ImportRefused) -> int:
         if as_json:
             click.echo(refusal_json(e, script))
-        for line in e.problems:
-            click.echo(f"orchestrator: error: {script}: {line}", err=True)
+        # one message, however many problems: each is named in it (and listed apart in --json)
+        click.echo(f"orchestrator: error: {script}: {'; '.join(e.problems)}", err=True)
         return 2
 
     given: dict[str, str] = {}

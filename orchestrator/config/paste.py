@@ -1,0 +1,54 @@
+"""A command as people paste it (from a GitHub issue, a chat, a Windows editor) back to the shell text it wraps:
+Windows line endings made Unix ones, Markdown code fences (```, ```bash, a fence glued to the first command)
+and a pair of single backticks around the whole paste removed. Line numbers are kept (a removed fence leaves
+an empty line), so errors still name the line of the original.
+
+A fence that is opened and never closed means the paste ends before its command does: ScriptError says so.
+Pure and stdlib-only.
+"""
+from __future__ import annotations
+
+import re
+
+from orchestrator.config.shell_script import ScriptError
+
+_FENCE = re.compile(r"^\s*(```+|~~~+)\s*[\w+.-]*\s*$")  # a fence line, with or without a language tag
+_GLUED_OPEN = re.compile(r"^\s*```+(?=[^`\s])")  # "```export PATH=..." : the fence and the first line in one
+_GLUED_CLOSE = re.compile(r"(?<=[^`\s])```+\s*$")  # "... --x 1```"
+
+
+def _inline_wrapped(text: str) -> bool:
+    """Whether the paste is `...` as a whole: Markdown inline code around a command, the only two backticks
+    in it (a command substitution has its own pair inside, so two in all means none)."""
+    s = text.strip()
+    return len(s) > 2 and s[0] == s[-1] == "`" and not s.startswith("``") and s.count("`") == 2
+
+
+def unwrap(text: str) -> str:
+    """The shell text inside a pasted command; ScriptError for a fence that is never closed (a cut-off paste)."""
+    text = text.replace("\r\n", "\n")
+    if "`" not in text and "~~~" not in text:
+        return text
+    out: list[str] = []
+    opened = 0  # the line of the fence now open, 0 when none is
+    for n, line in enumerate(text.split("\n"), 1):
+        if _FENCE.match(line):
+            opened = 0 if opened else n
+            # a blank line for the fence (a space for a closing one: a `\` just before it then ends its command
+            # there, as the paste does, instead of running into the end of the script)
+            out.append("" if opened else " ")
+            continue
+        glued = _GLUED_OPEN.match(line)
+        if glued and not opened:
+            opened, line = n, line[glued.end():]
+        elif opened and _GLUED_CLOSE.search(line):
+            opened, line = 0, _GLUED_CLOSE.sub("", line)
+        out.append(line)
+    if opened:
+        raise ScriptError(f"line {opened}: the ``` code fence opened here is never closed: the paste looks cut off "
+                          "before the end of its command; paste the whole command")
+    body = "\n".join(out)
+    if _inline_wrapped(body):
+        first, last = body.index("`"), body.rindex("`")
+        body = body[:first] + " " + body[first + 1:last] + " " + body[last + 1:]
+    return body
