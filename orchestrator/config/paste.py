@@ -1,6 +1,6 @@
 """A command as people paste it (from a GitHub issue, a chat, a Windows editor) back to the shell text it wraps:
-Windows line endings made Unix ones, Markdown code fences (```, ```bash, a fence glued to the first command)
-and a pair of single backticks around the whole paste removed. Line numbers are kept (a removed fence leaves
+Windows line endings made Unix ones, Markdown code fences (```, ```bash, a fence glued to the first command),
+a pair of single backticks around the whole paste and shell prompts (`$ `, `(env) user@host:~/dir$ `) removed. Line numbers are kept (a removed fence leaves
 an empty line), so errors still name the line of the original.
 
 A fence that is opened and never closed means the paste ends before its command does: ScriptError says so.
@@ -15,6 +15,8 @@ from orchestrator.config.shell_script import ScriptError
 _FENCE = re.compile(r"^\s*(```+|~~~+)\s*[\w+.-]*\s*$")  # a fence line, with or without a language tag
 _GLUED_OPEN = re.compile(r"^\s*```+(?=[^`\s])")  # "```export PATH=..." : the fence and the first line in one
 _GLUED_CLOSE = re.compile(r"(?<=[^`\s])```+\s*$")  # "... --x 1```"
+# An interactive prompt copied with the command: no shell line starts with "$ " (a parameter needs a name).
+_PROMPT = re.compile(r"^\s*(?:\([\w.-]+\)\s*)?(?:[\w.-]+@[\w.-]+(?::[^\s$]*)?)?\$\s+(?=\S)", re.MULTILINE)
 
 
 def _inline_wrapped(text: str) -> bool:
@@ -26,7 +28,7 @@ def _inline_wrapped(text: str) -> bool:
 
 def unwrap(text: str) -> str:
     """The shell text inside a pasted command; ScriptError for a fence that is never closed (a cut-off paste)."""
-    text = text.replace("\r\n", "\n")
+    text = _PROMPT.sub("", text.replace("\r\n", "\n"))
     if "`" not in text and "~~~" not in text:
         return text
     out: list[str] = []
