@@ -257,6 +257,24 @@ CASES = [
     ("markdown_fenced_port_error", [("```RuntimeError: The server socket has failed to listen on any local network address. "
                                      "port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use```")],
      CrashClass.PORT_IN_USE),
+    # A loss scale halved down to 4 or below: every recent step overflowed. One halving from 2^16 is routine.
+    ("deepspeed_scale_collapse", [f"[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: {a}, reducing to {b}"
+                                  for a, b in ((16, 8), (8, 4))], CrashClass.NAN_LOSS),
+    ("apex_scale_below_one", ["Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.5"], CrashClass.NAN_LOSS),
+    ("deepspeed_routine_overflow", ["[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, reducing to 32768",
+                                    "KeyError: 'input_ids'"], CrashClass.OTHER),
+    ("scale_16_is_no_collapse", ["[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 32, reducing to 16"],
+     CrashClass.OTHER),
+    ("scale_collapse_then_finite_progress", ["Attempted loss scale: 4, reducing to 2", "{'loss': 2.0491, 'epoch': 0.28}",
+                                             "KeyError: 'x'"], CrashClass.OTHER),
+    # NCCL_DEBUG=INFO's error trace (`file.cc:line -> code`) names the failure; channel lines (`0[9000] -> 1[1000]`) do not.
+    ("nccl_info_error_trace", ["dgx:1050:1315 [0] NCCL INFO Channel 15/0 : 0[90000] -> 1[1000] [send] via NET/Socket/7",
+                               "dgx:1050:1316 [0] NCCL INFO include/net.h:25 -> 2",
+                               "dgx:1050:1316 [0] NCCL INFO transport/net.cc:515 -> 2"], CrashClass.NCCL_ERROR),
+    ("nccl_info_channels_only", ["dgx:1050:1315 [0] NCCL INFO Channel 15/0 : 0[90000] -> 1[1000] [send] via NET/Socket/7",
+                                 "dgx:1050:1315 [0] NCCL INFO Connected all rings", "KeyError: 'x'"], CrashClass.OTHER),
+    ("nccl_info_trace_under_an_oom", ["node:1:2 [0] include/alloc.h:103 NCCL WARN Cuda failure 2 'out of memory'",
+                                      "node:1:2 [0] NCCL INFO include/alloc.h:110 -> 1"], CrashClass.COLD_START_OOM),
 ]
 
 

@@ -13,6 +13,8 @@ from real_crashes import (
     REAL,
     REAL2,
     REAL2_INDEX,
+    REAL3,
+    REAL3_INDEX,
     REAL_INDEX,
     SHARED,
     SHARED_INDEX,
@@ -25,6 +27,7 @@ from orchestrator.types import CrashClass
 
 TUNE, HELDOUT = split(REAL_INDEX, "tune"), split(REAL_INDEX, "heldout")
 TUNE2, HELDOUT2 = split(REAL2_INDEX, "tune"), split(REAL2_INDEX, "heldout")
+TUNE3, HELDOUT3 = split(REAL3_INDEX, "tune"), split(REAL3_INDEX, "heldout")
 
 
 @pytest.mark.skipif(SHARED is None, reason="shared crash-logs not available")
@@ -59,6 +62,16 @@ def test_real2_index_is_complete_new_and_split_by_url_hash() -> None:
     assert not older & {e["source"] for e in REAL2_INDEX}                              # sources in no earlier set
 
 
+def test_real3_index_is_complete_new_and_held_out_by_url_hash() -> None:
+    _well_formed(REAL3_INDEX, REAL3)
+    for e in REAL3_INDEX:   # each entry's own hash decides, so excerpts added later never move earlier ones
+        drawn = int(hashlib.sha256(e["source"].encode()).hexdigest()[:8], 16) < 0.3 * 2**32
+        assert e["split"] == ("heldout" if drawn else "tune"), e["file"]
+    assert len({e["source"].rstrip("/") for e in REAL3_INDEX}) == len(REAL3_INDEX)       # one excerpt per thread
+    older = {e["source"].rstrip("/") for e in REAL_INDEX + REAL2_INDEX + SHARED_INDEX}
+    assert not older & {e["source"].rstrip("/") for e in REAL3_INDEX}                  # sources in no earlier set
+
+
 @pytest.mark.parametrize("entry", TUNE, ids=[e["file"] for e in TUNE])
 def test_real_tuning_excerpts(entry: dict) -> None:
     assert measure.predict(entry).value == entry["label"]
@@ -75,7 +88,22 @@ def test_real2_tuning_excerpts(entry: dict) -> None:
     assert measure.predict(entry).value == entry["label"]
 
 
-@pytest.mark.parametrize("entries,floor", [(HELDOUT, (93.8, 96.9)), (HELDOUT2, (90.6, 90.6))], ids=["real", "real2"])
+# No wording a rule could use: NCCL's bare 'unhandled system error' (a full /dev/shm, per the thread's title);
+# torch.save's 'File ... cannot be opened' (a full disk here, a missing folder or a permission elsewhere);
+# torchrun's SIGTERMs to the other ranks alone (a host-memory kill, per a commenter's analysis).
+REAL3_TUNE_MISSES = {"disk_full__llmd_vllm_dp16_dev_shm_nccl_system_error.log", "disk_full__ronin_checkpoint_cannot_be_opened.log",
+                     "host_oom_killed__swift_load_dataset_from_local_ram_torchrun_sigterm.log"}
+
+
+@pytest.mark.parametrize("entry", TUNE3, ids=[e["file"] for e in TUNE3])
+def test_real3_tuning_excerpts(entry: dict) -> None:
+    if entry["file"] in REAL3_TUNE_MISSES:
+        pytest.xfail("no rule can see the root cause in this text")
+    assert measure.predict(entry).value == entry["label"]
+
+
+@pytest.mark.parametrize("entries,floor", [(HELDOUT, (93.8, 96.9)), (HELDOUT2, (90.6, 90.6)), (HELDOUT3, (94.3, 94.3))],
+                         ids=["real", "real2", "real3"])
 def test_heldout_does_not_regress(entries: list[dict], floor: tuple[float, float]) -> None:
     """Measured on the held-out parts (tests/fixtures/README.md): keep at least that."""
     exact, family, _ = measure.score(entries)

@@ -228,9 +228,12 @@ def classify(text: str, exit: ExitStatus | None = None, phase: Phase | None = No
     return crash
 
 
+_NCCL_TRACE = re.compile(r"\.(?:cc|cu|h|cpp):\d+ -> [1-6]\s*$")   # NCCL INFO's error trace frame
+
+
 def _clean(chunk: str) -> list[str]:
-    # splitlines also splits tqdm's \r redraws; NCCL INFO lines never report a failure.
-    return [s for s in map(_unprefix, chunk.splitlines()) if "NCCL INFO" not in s]
+    # splitlines also splits tqdm's \r redraws; NCCL INFO lines report no failure but their error trace.
+    return [s for s in map(_unprefix, chunk.splitlines()) if "NCCL INFO" not in s or _NCCL_TRACE.search(s)]
 
 
 def _deep_lines(text: str, start: int) -> list[str]:

@@ -41,7 +41,7 @@ _NOT_ROOT_DISK = (r"/dev/shm", r"NCCL WARN", r"posix_fallocate", r"</torch_", r"
 # create or grow its shm segments. The host ran out of a (memory-backed) filesystem, not NCCL or the user.
 _SHM = (r"killed by signal: Bus error", r"Unexpected bus error encountered in worker", r"\binsufficient shared memory\b",
         r"\bout of shared memory\b", r"unable to write to file </?torch_", r"unable to allocate shared memory",
-        r"(?:failed to extend|Error while creating shared memory segment)\s+/dev/shm/",
+        r"failed to extend\s+/dev/shm/", r"Error while creating shared memory segment\s+(?:/dev/shm/)?\S",   # NCCL < 2.12: no path
         r"posix_fallocate failed\s*:\s*No space left", r"/dev/shm\b.*\b(?:No space left|ENOSPC|errno:? ?28)")
 SHM_PATTERNS = _SHM                                   # policy tells a /dev/shm disk_full by them
 _SHM_KW = ("bus error", "shared memory", "</torch_", "torch_", "/dev/shm", "posix_fallocate")
@@ -134,10 +134,12 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         r"\[\s*\w*(?:loss|grad[_ ]norm)\s*\]\s*[:=]?\s*[-+]?(?:nan|inf)\b",
         r"number of nan iterations:\s*[1-9]", r"\bNaN or Inf found in input tensor"),   # tensorboard(X) logging a NaN
         keywords=("nan", "inf"), requires=("no_recovery",), exclude=_HYPOTHETICAL, priority=51),
-    # A dynamic loss scale halved below 1e-3 means every recent step overflowed (apex, fairseq): non-finite
-    # training, unless a finite progress line follows.
+    # A dynamic loss scale halved down to 4 or below means every recent step overflowed (DeepSpeed and apex
+    # start at 2^16, fairseq at 2^7; a healthy run settles far above): non-finite training, unless a finite
+    # progress line follows.
     Rule("nan_loss_scale_decay", CrashClass.NAN_LOSS, (
-        r"\bloss scal\w*\b.{0,40}\b(?:to|reducing to|setting loss scale to):?\s*(?:0\.000\d*|[1-9](?:\.\d+)?e-0*(?:[4-9]|\d{2,}))\b",),
+        r"\bloss scal\w*\b.{0,40}\b(?:to|reducing to|setting loss scale to):?\s*"
+        r"(?:[124](?:\.0+)?|0\.\d+|[1-9](?:\.\d+)?e-0*\d+)(?![\w.])",),
         keywords=("loss scal",), requires=("no_recovery",), priority=53),
     # Megatron-LM omits 'lm loss' when its average is NaN: after lines that had a loss, an iteration
     # line at loss scale 1.0 (bf16: no overflow skipping) without any '... loss:' field is a NaN.
@@ -148,7 +150,10 @@ RULES: tuple[Rule, ...] = tuple(sorted((
     Rule("nccl_error", CrashClass.NCCL_ERROR, (
         r"\bnccl(?:Unhandled)?(?:UnhandledCudaError|SystemError|InternalError|InvalidUsage|InvalidArgument)\b",
         r"NCCL error in:", r"NCCL error: ", r"\bNCCL Error \d+:", r"\bNCCL_ERROR_[A-Z_]+\b", r"unhandled (?:system|cuda) error",
-        r"internal error - please report this issue to the NCCL developers"),
+        r"internal error - please report this issue to the NCCL developers",
+        # NCCL_DEBUG=INFO's error trace: each frame a failing call returned through, `file.cc:line -> code`
+        # (1 unhandled CUDA, 2 system, 3 internal, 4 invalid argument, 5 invalid usage; 6 is a remote error)
+        r"NCCL INFO [\w./-]+\.(?:cc|cu|h|cpp):\d+ -> [1-5]\s*$"),
         keywords=("nccl", "unhandled system error", "unhandled cuda error"), exclude=(_NCCL_REMOTE,), priority=60),
     # A host-OOM kill of one rank makes its peers report a vanished remote (ncclRemoteError, connection
     # reset) or a user error: the kill is the root then. A collective timeout next to a kill is not
@@ -164,7 +169,8 @@ RULES: tuple[Rule, ...] = tuple(sorted((
         exclude=(r"\bnan\b", r"\binf\b", r"non-finite", r"\bnccl", r"Warning\b"), priority=65),
     # ncclRemoteError: a peer vanished or the network failed. NCCL's own error when nothing above explains it.
     Rule("nccl_remote", CrashClass.NCCL_ERROR, (
-        r"\bncclRemoteError\b", r"remote process exited or there was a network error", r"NCCL error in:", r"NCCL error: "),
+        r"\bncclRemoteError\b", r"remote process exited or there was a network error", r"NCCL error in:", r"NCCL error: ",
+        r"NCCL INFO [\w./-]+\.(?:cc|cu|h|cpp):\d+ -> 6\s*$"),
         keywords=("nccl", "remote process exited"), priority=68),
     # A collective timeout says only that some rank stopped; it outranks just the aborts and kills it causes.
     Rule("nccl_timeout_hang", CrashClass.NCCL_TIMEOUT_HANG, (
