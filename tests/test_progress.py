@@ -48,6 +48,15 @@ GOOD = [
     ("no-grad-norm", "{'loss': 2.0, 'global_step/max_steps': '3/9'}", Progress(3, 9, 2.0)),
     ("int-loss", "{'loss': 2, 'iteration': '3/9'}", Progress(3, 9, 2.0)),
     ("percent", "{'loss': '2.5%', 'iteration': '3/9'}", Progress(3, 9, 2.5)),
+    # ms-swift 1.x/2.x: the callback sets logs['global_step'] = state.global_step (no max steps); the keys as
+    # its sft printed them, the values made up (no public paste of this form was found).
+    ("swift1x-global-step", "{'loss': 1.9, 'acc': 0.6, 'learning_rate': 9.9e-05, 'epoch': 0.01, 'global_step': 5}",
+     Progress(5, None, 1.9, None, 9.9e-05)),
+    ("swift2x-global-step", ("{'loss': 1.2, 'acc': 0.7, 'grad_norm': 0.8, 'learning_rate': 9e-05, 'epoch': 0.1, "
+                             "'global_step': 10}"), Progress(10, None, 1.2, 0.8, 9e-05)),
+    # A paste that lost the dict's opening brace (real one: test_progress_real.py)
+    ("brace-lost", "'loss': 1.0, 'grad_norm': 0.5, 'global_step/max_steps': '3/9'}", Progress(3, 9, 1.0, 0.5)),
+    ("brace-lost-indented", "  'grad_norm': 0.5, 'loss': 1.0, 'iteration': '3/9'}  ", Progress(3, 9, 1.0, 0.5)),
     # Megatron-LM's pipe line (ms-swift 3.x megatron); real pastes in test_progress_real.py
     ("3x-megatron", " [2025-01-01 00:00:00] iteration 5/400 | consumed samples: 80 | lm loss: 1.3E+00 |",
      Progress(5, 400, 1.3)),
@@ -100,6 +109,13 @@ NONE = [
     ("no-step", "{'loss': 1.4, 'grad_norm': 0.3}"),
     ("step-no-slash", "{'loss': 1.4, 'iteration': '5'}"),
     ("step-int", "{'loss': 1.4, 'iteration': 5}"),
+    ("global-step-bool", "{'loss': 1.4, 'global_step': True}"),
+    ("global-step-str", "{'loss': 1.4, 'global_step': '5'}"),
+    ("brace-lost-eval", "'eval_loss': 1.2, 'global_step/max_steps': '10/30'}"),
+    ("brace-lost-no-close", "'loss': 1.4, 'global_step/max_steps': '10/30'"),
+    ("brace-lost-mid-line", "text 'loss': 1.4, 'global_step/max_steps': '10/30'}"),
+    ("brace-lost-no-step", "'loss': 1.4, 'grad_norm': 0.3}"),
+    ("brace-lost-tail", "'percentage': '11.70%', 'global_step/max_steps': '11/94'}"),
     ("step-garbage", "{'loss': 1.4, 'iteration': 'a/b'}"),
     ("step-none-total", "{'loss': 1.4, 'iteration': '5/None'}"),
     ("json-double-quotes", '{"loss": 1.4, "iteration": "5/400"}'),
@@ -133,6 +149,9 @@ def test_huge_valid_line():
      '"train_speed(s/it)": 0.026642}'), Progress(1, 30, 7.43016481, 1.87302744, 9.973e-05, None, 0.026642)),
     ('{"loss": 1.3, "grad_norm": 0.2, "learning_rate": 1e-4, "iteration": "5/400", "memory(GiB)": 71.3}',
      Progress(5, 400, 1.3, 0.2, 1e-4, 71.3)),
+    # ms-swift 1.x/2.x logging.jsonl: the same record as its stdout dict, `global_step` an int
+    ('{"loss": 1.9, "acc": 0.6, "learning_rate": 9.9e-05, "epoch": 0.01, "global_step": 5}',
+     Progress(5, None, 1.9, None, 9.9e-05)),
 ])
 def test_parse_jsonl_line(line, expected):
     assert parse_jsonl_line(line) == expected

@@ -3,12 +3,17 @@
 Formats, each tested against lines pasted in public issue threads (tests/fixtures/progress/):
 - ms-swift 4.x (and 3.x `swift sft`) print `str(dict)` per logged step (Python repr: single quotes, bare
   nan/inf; under transformers 5 every float is a string). Parsed with ast.literal_eval, never eval.
+- ms-swift 1.x/2.x print the same dict with `'global_step': 5` (an int, no max steps) where later versions print
+  `'global_step/max_steps': '5/1000'`.
 - logging.jsonl: the same records as JSON (ms-swift 3.x megatron names its loss `lm loss`).
 - Megatron-LM's training_log, which ms-swift 3.x's Megatron backend prints too: one pipe-separated line per
   logged iteration, ` [2026-01-20 08:33:58] iteration        5/     206 | consumed samples: ... |
   lm loss: 1.180399E+00 | ... | grad norm: 1.105 | number of skipped iterations:   0 | ...`.
 Every format is found anywhere in the line: timestamps, `master-0 >> `, `[rank7]: ` and a tqdm bar glued
-on by `\\r` may come before it.
+on by `\\r` may come before it. A pasted dict whose opening brace the paste lost is read too.
+A transformers Trainer dict with no step field (`{'loss': ..., 'epoch': 0.5}`) is no step record: the step it
+belongs to is unknown (logging_steps is not in the line), and counting records would name steps that no
+checkpoint-N matches; progress_unreadable reports such output instead.
 """
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ from orchestrator.types import Progress
 _DICT = re.compile(r"\{'(?:loss|eval_|train_runtime|grad_norm|learning_rate)[^{}]*\}")
 # Bare nan/inf in a repr (megatron prints floats raw) are not Python literals.
 _BARE = re.compile(r"(?<=[:\s\[,])(-?)(nan|inf)(?=[,}\]\s])")
+# A paste can lose a dict's opening brace (the selection began just after it): a line that is a training
+# dict's body from its first key to its closing brace is that dict.
+_HEADLESS = re.compile(r"\s*('(?:loss|grad_norm|learning_rate)'\s*:[^{}]*\})\s*$")
 _STEP_KEYS = ("global_step/max_steps", "iteration")
 _LOSS_KEYS = ("loss", "lm loss")  # ms-swift 3.x megatron's logging.jsonl keeps Megatron's `lm loss`
 # Megatron-LM's line starts with the iteration field (`'iteration {:8d}/{:8d} |'`); `validation loss at
@@ -52,22 +60,32 @@ def _step_seconds(rec: dict) -> float | None:
     return 1.0 / per_s if per_s else None
 
 
-def from_record(rec: dict) -> Progress | None:
-    """A training-step record (stdout dict or logging.jsonl line); None for eval/summary records."""
-    loss_key = next((k for k in _LOSS_KEYS if k in rec), None)
-    if loss_key is None and "grad_norm" not in rec:
-        return None
+def _step_of(rec: dict) -> tuple[int, int | None] | None:
+    """Return the (step, max steps) a record names, or None when it names no step."""
     for key in _STEP_KEYS:
         raw = rec.get(key)
         if isinstance(raw, str) and "/" in raw:
             cur, _, total = raw.partition("/")
             try:
-                step, max_steps = int(cur), int(total)
+                return int(cur), int(total)
             except ValueError:
                 return None
-            break
-    else:
+    # ms-swift 1.x/2.x's callback sets logs['global_step'] = state.global_step: the step, with no total.
+    raw = rec.get("global_step")
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw, None
+    return None
+
+
+def from_record(rec: dict) -> Progress | None:
+    """A training-step record (stdout dict or logging.jsonl line); None for eval/summary records."""
+    loss_key = next((k for k in _LOSS_KEYS if k in rec), None)
+    if loss_key is None and "grad_norm" not in rec:
         return None
+    at = _step_of(rec)
+    if at is None:
+        return None
+    step, max_steps = at
     return Progress(step=step, max_steps=max_steps, loss=_number(rec.get(loss_key)) if loss_key else None,
                     grad_norm=_number(rec.get("grad_norm")), lr=_number(rec.get("learning_rate")),
                     memory_gib=_number(rec.get("memory(GiB)")), step_s=_step_seconds(rec))
@@ -103,13 +121,18 @@ def parse_pipe_line(line: str) -> Progress | None:
 
 def parse_dict_line(line: str) -> Progress | None:
     """An ms-swift stdout dict line -> Progress, or None when it holds no training-step dict."""
-    if "{'" not in line:  # most lines: a C substring test instead of a regex scan
+    if "{'" in line:  # most lines: C substring tests instead of a regex scan
+        m = _DICT.search(line)
+        body = m.group(0) if m else None
+    elif line.lstrip().startswith("'"):
+        m = _HEADLESS.match(line)
+        body = "{" + m.group(1) if m else None
+    else:
         return None
-    m = _DICT.search(line)
-    if not m:
+    if body is None:
         return None
     # Bare nan/inf become strings; _number() turns them back into floats.
-    text = _BARE.sub(lambda g: f"'{g.group(1)}{g.group(2)}'", m.group(0))
+    text = _BARE.sub(lambda g: f"'{g.group(1)}{g.group(2)}'", body)
     try:
         rec = ast.literal_eval(text)
     except (ValueError, SyntaxError):
