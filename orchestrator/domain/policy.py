@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from orchestrator.config.schema import SupervisorSection
 from orchestrator.domain.crash_rules import SHM_PATTERNS
+from orchestrator.domain.verdict import DISK_FULL_AT_CRASH
 from orchestrator.types import Action, Alert, Attempt, Crash, CrashClass, Decision
 
 HOUR = 3600.0
@@ -45,7 +46,7 @@ def crashes_last_hour(history: History, crash: Crash, now: float) -> int:
 def shared_memory_full(crash: Crash) -> bool:
     """Tells whether a disk_full crash is /dev/shm's (its evidence names shared memory) rather than output_dir's."""
     return (crash.cls is CrashClass.DISK_FULL and any(_SHM.search(e) for e in crash.evidence)
-            and not any(e.startswith("disk full at the crash") for e in crash.evidence))
+            and not any(e.startswith(DISK_FULL_AT_CRASH) for e in crash.evidence))
 
 
 def decide(crash: Crash, history: History, cfg: SupervisorSection, now: float, checkpoint_progress: bool,

@@ -23,6 +23,7 @@ APP_XIDS = frozenset({13, 31, 43, 45})
 # What a failure of the machine is the root of: the log's cascades and the supervisor's hang verdict.
 CASCADE = frozenset({CrashClass.NCCL_ERROR, CrashClass.NCCL_TIMEOUT_HANG, CrashClass.HOST_OOM_KILLED, CrashClass.OTHER})
 NO_OOM_RECORD = "SIGKILL; no kernel OOM record for the run's processes"
+DISK_FULL_AT_CRASH = "disk full at the crash"   # the fact's head: policy tells output_dir's disk_full by it
 
 
 def classify_attempt(text: str, exit: ExitStatus | None, phase: Phase | None, system: SystemEvidence,
@@ -64,9 +65,9 @@ def disk_full(system: SystemEvidence, need_free_gib: float) -> str | None:
         if d.role != "output_dir":
             continue
         if d.free_bytes < need_free_gib * GIB:
-            return f"disk full at the crash: {d.path} has {d.free_bytes / GIB:.3g} GiB free"
+            return f"{DISK_FULL_AT_CRASH}: {d.path} has {d.free_bytes / GIB:.3g} GiB free"
         if d.free_inodes == 0:
-            return f"disk full at the crash: {d.path} has no free inodes ({d.free_bytes / GIB:.3g} GiB free)"
+            return f"{DISK_FULL_AT_CRASH}: {d.path} has no free inodes ({d.free_bytes / GIB:.3g} GiB free)"
     return None
 
 
