@@ -4,6 +4,7 @@ refusal naming the cause, exit 2, nothing written), the held-out split stays at 
 the paste forms those commands showed are read as the shell would read what they wrap."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import sys
@@ -24,12 +25,16 @@ _SPEC.loader.exec_module(measure)
 
 ENTRIES = measure.entries()
 TUNE = [e for e in ENTRIES if e["split"] == "tune"]
-HELDOUT_FLOOR = 13  # right of 13 after the prompt fix; 12 the clean figure (tests/fixtures/commands/README.md)
+HELDOUT_FLOOR = 14  # right of 14 (13 first-set + 1 added); 12 the clean first-set figure (fixtures README)
+FIRST_SET = 42  # entries split by rank of sha256(source); those after it by the hash alone, so none ever moves
 
 
 def test_the_set_is_there_and_split_by_source():
     assert len(ENTRIES) >= 35 and len({e["file"] for e in ENTRIES}) == len(ENTRIES)
-    assert sum(e["split"] == "heldout" for e in ENTRIES) == round(0.3 * len(ENTRIES))
+    assert sum(e["split"] == "heldout" for e in ENTRIES[:FIRST_SET]) == round(0.3 * FIRST_SET)
+    for e in ENTRIES[FIRST_SET:]:
+        held = int(hashlib.sha256(e["source"].encode()).hexdigest()[:8], 16) < 0.3 * 2**32
+        assert e["split"] == ("heldout" if held else "tune"), e["file"]
     for e in ENTRIES:
         assert (measure.HERE / e["file"]).is_file() and e["source"].startswith("https://github.com/")
         assert e["expect"] in ("recipe", "refused") and (e["facts"] if e["expect"] == "recipe" else e["why"])
@@ -93,3 +98,33 @@ def test_ms_swift_2x_names_and_an_unlimited_save_total_limit_are_read(tmp_path):
     assert {e["flag"]: e["to"] for e in report["renamed"]}["--evaluation_strategy"] == "--eval_strategy"
     assert "checkpoint" not in rec or "save_total_limit" not in rec["checkpoint"]
     assert any(d["flag"] == "--save_total_limit" for d in report["dropped"])
+
+
+@pytest.mark.parametrize("text, says", [
+    ("swift sft --model m --dataset d --gradient_accumulation_steps $(expr 16 / $nproc_per_node)", "$nproc_per_node"),
+    ("swift sft --model m --dataset d --gradient_accumulation_steps $((16 / n))", "$n, which has no value"),
+])
+def test_arithmetic_on_an_unset_variable_names_the_variable(text, says):
+    r = CliRunner().invoke(main, ["import", "-"], input=text, catch_exceptions=False)
+    assert r.exit_code == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_3x_load_without_model_becomes_the_model_path_and_mcore_model():
+    text = ("NNODES=2 NPROC_PER_NODE=8 megatron sft --load /ckpt/GLM-mcore --dataset d --train_type lora "
+            "--tensor_model_parallel_size 4 --pipeline_model_parallel_size 2 --context_parallel_size 2 "
+            "--sequence_parallel true --global_batch_size 4 --train_iters 5\n")
+    r = CliRunner().invoke(main, ["import", "-", "--json"], input=text, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.stdout)["recipe"]
+    assert rec["model"]["path"] == rec["extra_args"]["mcore_model"] == "/ckpt/GLM-mcore"
+    assert (rec["parallel"]["nnodes"], rec["parallel"]["context"]) == (2, 2)  # 16 ranks span both nodes
+
+
+def test_2x_batch_and_template_names_and_an_empty_cuda_visible_devices():
+    text = "CUDA_VISIBLE_DEVICES= swift sft --model m --dataset d --sft_type lora --batch_size 2 --template_type qwen\n"
+    r = CliRunner().invoke(main, ["import", "-", "--json"], input=text, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert (report["recipe"]["optim"]["micro_batch_size"], report["recipe"]["model"]["template"]) == (2, "qwen")
+    assert "CUDA_VISIBLE_DEVICES" not in report["recipe"].get("env", {}).get("vars", {})
+    assert any(d["flag"] == "CUDA_VISIBLE_DEVICES" for d in report["dropped"])

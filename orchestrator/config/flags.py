@@ -210,8 +210,13 @@ RENAMED: dict[str, dict[str, str]] = {
 # same value under its 4.x name
 _V2 = {"lora_target_modules": "target_modules", "sft_type": "tuner_type", "model_id_or_path": "model",
        "custom_train_dataset_path": "dataset", "custom_val_dataset_path": "val_dataset", "lora_dropout_p": "lora_dropout"}
+# 2.x names whose 4.x name differs between the two commands (2.x had one `--batch_size` for both)
+_V2_BY_BACKEND = {"megatron": {"batch_size": "micro_batch_size",
+                               "template_type": "template"},
+                  "swift": {"batch_size": "per_device_train_batch_size",
+                            "eval_batch_size": "per_device_eval_batch_size", "template_type": "template"}}
 for _b in BACKENDS:
-    for _old, _new in _V2.items():
+    for _old, _new in (_V2 | _V2_BY_BACKEND[_b]).items():
         REPLACEMENTS[_b][_old] = _to(_b, _new, "the ms-swift 2.x name")
         RENAMED[_b].setdefault(_old, _new)
 

@@ -269,6 +269,9 @@ def _environment(out: Imported, t: Training) -> None:
             out.mapped.append({"flag": name, "value": value, "key": "parallel.nnodes"})
         elif name in OWNED_ENV - {"CUDA_VISIBLE_DEVICES"}:
             out.drop(name, value, _LAUNCH_WHY)
+        elif name == "CUDA_VISIBLE_DEVICES" and not value.strip():
+            out.drop(name, value, "empty: it would hide every GPU; the orchestrator launches on the GPUs it has "
+                                  "verified clear (env.vars.CUDA_VISIBLE_DEVICES to pin some)")
         else:  # CUDA_VISIBLE_DEVICES too: the GPUs the orchestrator verifies clear before each launch
             out.set(f"env.vars.{name}", value)
             out.mapped.append({"flag": name, "value": value, "key": f"env.vars.{name}"})
@@ -299,6 +302,14 @@ def _get(out: Imported, key: str) -> typing.Any:
 
 def _defaults(out: Imported, t: Training, backend: str, given: dict, problems: list[str]) -> None:
     """What the recipe needs and the command left to ms-swift's defaults; exclusive flags settled as ms-swift does."""
+    mcore = out.recipe.get("extra_args", {}).get("mcore_model")
+    if _get(out, "model.path") is None and isinstance(mcore, str):
+        # 3.x `--load DIR` (4.x --mcore_model): an mcore checkpoint from `swift export --to_mcore`, which keeps the
+        # HF config and tokenizer beside the weights, so --model can name the same directory
+        out.set("model.path", mcore)
+        out.notes.append(f"model.path = {mcore!r}: the --mcore_model (3.x --load) checkpoint, as the command gave no "
+                         "--model; ms-swift reads the weights from --mcore_model and the config from --model. Set "
+                         "model.path to the HF model directory if that checkpoint has no config.json")
     for key, flag in (("model.path", "--model"), ("data.dataset", "--dataset")):
         if _get(out, key) is None:
             problems.append(f"line {t.line}: no {flag}: the recipe needs {key}")

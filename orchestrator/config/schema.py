@@ -326,18 +326,22 @@ def combination_problems(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
     out: list[tuple[tuple[str, ...], str]] = []
     if (o.epochs is None) == (o.iterations is None):
         out.append((("optim.epochs", "optim.iterations"), "give exactly one of optim.epochs or optim.iterations"))
+    # Megatron splits the whole world (every process on every node) into model-parallel groups, so a group may
+    # span nodes: tensor 4 x pipeline 2 x context 2 = 16 runs on 2 nodes of 8
+    world = p.nproc_per_node * p.nnodes
+    what = f"{p.nproc_per_node}" + (f" x {p.nnodes} nodes = {world}" if p.nnodes > 1 else "")
     dense = p.tensor * p.pipeline * p.context
-    if p.nproc_per_node % dense:
+    if world % dense:
         out.append((("parallel.nproc_per_node", "parallel.tensor", "parallel.pipeline", "parallel.context"),
-                    f"{p.nproc_per_node} is not divisible by tensor x pipeline x context = {dense}"))
+                    f"{what} is not divisible by tensor x pipeline x context = {dense}"))
     moe = p.expert * p.expert_tensor * p.pipeline
-    if p.nproc_per_node % moe:
+    if world % moe:
         out.append((("parallel.nproc_per_node", "parallel.expert", "parallel.expert_tensor", "parallel.pipeline"),
-                    f"{p.nproc_per_node} is not divisible by expert x expert_tensor x pipeline = {moe}"))
+                    f"{what} is not divisible by expert x expert_tensor x pipeline = {moe}"))
     if p.sequence_parallel and p.tensor == 1:
         out.append((("parallel.sequence_parallel", "parallel.tensor"),
                     "needs parallel.tensor > 1 (ms-swift silently turns it off)"))
-    if not p.nproc_per_node % dense and o.global_batch_size % (o.micro_batch_size * p.data_parallel):
+    if not world % dense and o.global_batch_size % (o.micro_batch_size * p.data_parallel):
         out.append((("optim.global_batch_size", "optim.micro_batch_size", "parallel"),
                     f"{o.global_batch_size} is not divisible by micro_batch_size x data-parallel size = "
                     f"{o.micro_batch_size} x {p.data_parallel}"))

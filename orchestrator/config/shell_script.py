@@ -199,16 +199,18 @@ class _Expander:
             end = _closing(text, i + 3, "(", ")")
             if end < 0 or text[end:end + 1] != ")":
                 raise ScriptError(f"line {self.line}: unclosed $(( ... ))")
+            known = len(self.unresolved)
             inner = self.expand_plain(text[i + 3:end - 1])
             inner = re.sub(r"[A-Za-z_][A-Za-z0-9_]*", lambda m: self.lookup(m.group()) or "0", inner)
-            return _arithmetic(inner, self.line), end + 1
+            return self._arithmetic_of(inner, known), end + 1
         if nxt == "(":
             end = _closing(text, i + 2, "(", ")")
             if end < 0:
                 raise ScriptError(f"line {self.line}: unclosed $( ... )")
+            known = len(self.unresolved)
             words = shlex.split(self.expand(text[i + 2:end - 1]))
             if words[:1] == ["expr"]:
-                return _arithmetic(" ".join(words[1:]), self.line), end
+                return self._arithmetic_of(" ".join(words[1:]), known), end
             self.problems.append(f"line {self.line}: the command substitution {text[i:end]!r} is not run here; "
                                  f"replace it with its value")
             return "", end
@@ -229,6 +231,19 @@ class _Expander:
         if not m:
             return None, i
         return self.lookup(m.group()), m.end()
+
+    def _arithmetic_of(self, expr: str, known: int) -> str:
+        """_arithmetic, naming the variables without a value when they are why it fails: `16 /` alone would not
+        tell the user that `$nproc_per_node` was never set."""
+        try:
+            return _arithmetic(expr, self.line)
+        except ScriptError:
+            unset = self.unresolved[known:]
+            if not unset:
+                raise
+            names = ", ".join(f"${n}" for n in unset)
+            raise ScriptError(f"line {self.line}: the arithmetic uses {names}, which has no value in the script "
+                              f"(so it reads {expr.strip()!r}); set it before the command") from None
 
     def expand_plain(self, text: str) -> str:
         """Expansion inside `${NAME:-...}` and `$(...)`: the value as a plain string."""
