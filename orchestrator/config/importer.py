@@ -304,12 +304,12 @@ def _defaults(out: Imported, t: Training, backend: str, given: dict, problems: l
     """What the recipe needs and the command left to ms-swift's defaults; exclusive flags settled as ms-swift does."""
     mcore = out.recipe.get("extra_args", {}).get("mcore_model")
     if _get(out, "model.path") is None and isinstance(mcore, str):
-        # 3.x `--load DIR` (4.x --mcore_model): an mcore checkpoint from `swift export --to_mcore`, which keeps the
-        # HF config and tokenizer beside the weights, so --model can name the same directory
+        # 3.x `--load DIR` alone (3.x found the model via DIR/args.json): the directory stands in; pre-flight checks it
         out.set("model.path", mcore)
         out.notes.append(f"model.path = {mcore!r}: the --mcore_model (3.x --load) checkpoint, as the command gave no "
-                         "--model; ms-swift reads the weights from --mcore_model and the config from --model. Set "
-                         "model.path to the HF model directory if that checkpoint has no config.json")
+                         "--model; ms-swift 4 reads the weights from --mcore_model but the config and tokenizer from "
+                         "--model: set model.path to the HF model directory (the one the checkpoint's args.json names "
+                         "under \"model\") unless that checkpoint holds config.json; `orchestrator plan` checks")
     for key, flag in (("model.path", "--model"), ("data.dataset", "--dataset")):
         if _get(out, key) is None:
             problems.append(f"line {t.line}: no {flag}: the recipe needs {key}")
