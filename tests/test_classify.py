@@ -273,6 +273,23 @@ CASES = [
                                "dgx:1050:1316 [0] NCCL INFO transport/net.cc:515 -> 2"], CrashClass.NCCL_ERROR),
     ("nccl_info_channels_only", ["dgx:1050:1315 [0] NCCL INFO Channel 15/0 : 0[90000] -> 1[1000] [send] via NET/Socket/7",
                                  "dgx:1050:1315 [0] NCCL INFO Connected all rings", "KeyError: 'x'"], CrashClass.OTHER),
+    # SIGBUS in a trainer: a /dev/shm page tmpfs could not back (UCX's handler, the shell)
+    ("ucx_caught_sigbus", ["[8d6bf97c3bf4:3039 :0:3095] Caught signal 7 (Bus error: nonexistent physical address)",
+                           " 2 0x000000000007587d ncclGroupEnd()  ???:0"], CrashClass.DISK_FULL),
+    ("shell_bus_error", ["step 3 loss 2.0", "Bus error (core dumped)"], CrashClass.DISK_FULL),
+    ("bus_error_in_a_message_is_no_signal", ["ValueError: option 'Bus error (core dumped)' unknown"], CrashClass.OTHER),
+    # torch.multinomial's kernel guard: NaN probabilities, whatever device-side assert follows
+    ("multinomial_nan_guard", [("/pytorch/aten/src/ATen/native/cuda/TensorCompare.cu:112: _assert_async_cuda_kernel: "
+                                "block: [0,0,0], thread: [0,0,0] Assertion `probability tensor contains either `inf`, "
+                                "`nan` or element < 0` failed."),
+                               "RuntimeError: CUDA error: device-side assert triggered"], CrashClass.NAN_LOSS),
+    ("other_kernel_assert_is_cuda_fatal", [("/pytorch/aten/src/ATen/native/cuda/Indexing.cu:1236: indexSelectSmallIndex: "
+                                            "block: [0,0,0] Assertion `srcIndex < srcSelectDimSize` failed."),
+                                           "RuntimeError: CUDA error: device-side assert triggered"], CrashClass.CUDA_FATAL),
+    ("categorical_logits_nan", [("ValueError: Expected parameter logits (Tensor of shape (2, 2, 50257)) of distribution "
+                                 "Categorical(logits: torch.Size([2, 2, 50257])) to satisfy the constraint "
+                                 "IndependentConstraint(Real(), 1), but found invalid values:"),
+                                "tensor([[[nan, nan, nan,  ..., nan, nan, nan]]])"], CrashClass.NAN_LOSS),
     ("nccl_info_trace_under_an_oom", ["node:1:2 [0] include/alloc.h:103 NCCL WARN Cuda failure 2 'out of memory'",
                                       "node:1:2 [0] NCCL INFO include/alloc.h:110 -> 1"], CrashClass.COLD_START_OOM),
 ]

@@ -42,7 +42,10 @@ _NOT_ROOT_DISK = (r"/dev/shm", r"NCCL WARN", r"posix_fallocate", r"</torch_", r"
 _SHM = (r"killed by signal: Bus error", r"Unexpected bus error encountered in worker", r"\binsufficient shared memory\b",
         r"\bout of shared memory\b", r"unable to write to file </?torch_", r"unable to allocate shared memory",
         r"failed to extend\s+/dev/shm/", r"Error while creating shared memory segment\s+(?:/dev/shm/)?\S",   # NCCL < 2.12: no path
-        r"posix_fallocate failed\s*:\s*No space left", r"/dev/shm\b.*\b(?:No space left|ENOSPC|errno:? ?28)")
+        r"posix_fallocate failed\s*:\s*No space left", r"/dev/shm\b.*\b(?:No space left|ENOSPC|errno:? ?28)",
+        # SIGBUS itself: touching a page of a /dev/shm mapping that tmpfs can no longer back (UCX's and the
+        # shell's words for it); an x86 trainer has no other common way to get one
+        r"\bCaught signal 7 \(Bus error", r"^Bus error(?: \(core dumped\))?$")
 SHM_PATTERNS = _SHM                                   # policy tells a /dev/shm disk_full by them
 _SHM_KW = ("bus error", "shared memory", "</torch_", "torch_", "/dev/shm", "posix_fallocate")
 _NCCL_REMOTE = r"remote process exited|ncclRemoteError|network error"      # a peer vanished (or the network)
@@ -90,6 +93,10 @@ RULES: tuple[Rule, ...] = tuple(sorted((
     Rule("cold_start_oom", CrashClass.COLD_START_OOM, _OOM, keywords=_OOM_KW, requires=("startup_context",),
          exclude=_OOM_EXCLUDE, priority=31),
     Rule("oom_during_training", CrashClass.OOM_DURING_TRAINING, _OOM, keywords=_OOM_KW, exclude=_OOM_EXCLUDE, priority=32),
+    # torch.multinomial's kernel guard against NaN/Inf probabilities: the device-side assert it triggers is a
+    # non-finite model output, not a fault of the GPU.
+    Rule("nan_kernel_guard", CrashClass.NAN_LOSS, (r"Assertion .{0,3}probability tensor contains either .{0,3}inf",),
+         keywords=("probability tensor",), priority=39),
     # Fatal CUDA/hardware faults, also when an NCCL error carries them (NCCL is only the messenger).
     Rule("cuda_fatal", CrashClass.CUDA_FATAL, (
         r"illegal memory access", r"uncorrectable (?:ECC|NVLink) error", r"cudaErrorECCUncorrectable", r"(?-i:\bXid\b)",
@@ -123,7 +130,7 @@ RULES: tuple[Rule, ...] = tuple(sorted((
          r".{0,40}\b(?:is|are|became|returned|contains?|has) (?:either |a |an )?[`'\"]?(?:nans?|infs?|infinite|non-finite)\b"),
         r"\bnan (?:loss|gradients?|grad norm)\b",
         r"\bloss scale (?:is )?already at (?:its )?minimum", r"\bminimum loss scale reached",
-        r"constraint Real\(\), but found invalid values",
+        r"constraint (?:IndependentConstraint\()?Real\(\)(?:, \d+\))?, but found invalid values",
         r"=\s*[-+]?(?:nan|inf)\s+is not finite", r"\bInvalid loss, terminating training"),   # Lightning EarlyStopping, Keras
         keywords=("nan", "inf", "non-finite", "minimum", "invalid values", "not finite", "invalid loss"), exclude=(*_HYPOTHETICAL, *_ADVICE), priority=50),
     # NaN/Inf in progress lines counts only when no finite progress line follows (fp16 overflow steps
