@@ -213,3 +213,58 @@ def test_imported_swift_sft_examples_parse(example, tiny_model, tmp_path):
     p = res["parsed"]
     assert (p["tuner_type"], p["lora_rank"], p["num_train_epochs"]) == ("lora", 8, 1)
     assert p["gradient_accumulation_steps"] == (8 if "ddp" in example else 16)  # as the example's own
+
+
+OLD = ROOT / "tests" / "fixtures" / "ms-swift-old"
+# (the DeepSpeed ones are left out: ms-swift requires the deepspeed package to parse them, a GPU-only install)
+OLD_SWIFT = ["v2.6.1/examples/pytorch/llm/scripts/llama3_8b_instruct/lora/sft.sh",
+             "v2.6.1/examples/pytorch/llm/scripts/qwen_14b_chat/qlora/sft.sh",
+             "v2.6.1/examples/pytorch/llm/scripts/qwen_7b_chat/lora/sft.sh", "v3.5.3/examples/train/qlora/bnb.sh"]
+
+
+def test_imported_old_swift_sft_examples_parse(tiny_model, tmp_path):
+    """ms-swift 2.x and 3.x `swift sft` examples (tune split of tests/fixtures/ms-swift-old), imported with their
+    values in 4.x form (`--dtype bf16`, `--deepspeed default-zero3`, `--lora_target_modules ALL`, ...):
+    SftArguments takes each command, nothing left over."""
+    from orchestrator.ops.importer import import_script
+
+    commands = []
+    for i, name in enumerate(OLD_SWIFT):
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "recipe.toml").write_text(import_script((OLD / name).read_text(), name, d / "recipe.toml", {}).toml)
+        r = R.load(d / "recipe.toml", [f"model.path={tiny_model['model']!r}", f"data.dataset=[{tiny_model['data']!r}]",
+                                       f"run.output_dir={str(d / 'out')!r}", 'model.template="qwen3"',
+                                       'model.torch_dtype="float32"'])  # this machine has no bf16 GPU
+        commands.append(render_command(r, None, 29500))
+    for name, res in zip(OLD_SWIFT, probe(commands)):
+        assert "error" not in res, (name, res.get("error"), res.get("trace"))
+        assert res["remaining"] == [], name
+
+
+OLD_MEGATRON = ["v3.9.3/examples/megatron/lora/qwen3_235b.sh", "v3.12.6/examples/megatron/lora/qwen3_235b.sh",
+                "v3.12.6/examples/megatron/lora/moe.sh"]
+
+
+def test_imported_old_megatron_examples_parse(tmp_path):
+    """ms-swift 3.x `megatron sft` LoRA examples (tune split of tests/fixtures/ms-swift-old: 3.x `--load`,
+    `--save`, `--save_interval`, `--max_epochs`, `--load_safetensors`), imported: MegatronSftArguments takes each
+    command (a Qwen3-235B-A22B stand-in for the model and the data)."""
+    from orchestrator.ops.importer import import_script
+
+    commands = []
+    for i, name in enumerate(OLD_MEGATRON):
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "recipe.toml").write_text(import_script((OLD / name).read_text(), name, d / "recipe.toml", {}).toml)
+        stand_in = large_recipe("qwen3-235b-a22b-lora-ep8.toml", d)
+        sets = [f"model.path={stand_in.model.path!r}", f"data.dataset={stand_in.data.dataset!r}",
+                f"run.output_dir={str(d / 'out')!r}"]
+        r = R.load(d / "recipe.toml", sets)
+        if "mcore_model" in r.extra_args:  # 3.x --load, relative: read beside the recipe, where ms-swift must find it
+            Path(str(r.extra_args["mcore_model"])).mkdir()
+            assert Path(str(r.extra_args["mcore_model"])).parent == d
+        commands.append(render_command(r, None, 29500))
+    for name, res in zip(OLD_MEGATRON, probe(commands)):
+        assert "error" not in res, (name, res.get("error"), res.get("trace"))
+        assert res["remaining"] == [], name

@@ -1,6 +1,7 @@
 """Which command of a script is the training, and in which form: `megatron sft`, `swift sft` (with or without
 the fictional `--use_megatron true`), `torchrun ... swift/cli/sft.py`, `python -m swift.cli.sft`,
-`accelerate launch ... swift/cli/sft.py`; its launcher's options, and its sft arguments as flags.
+`accelerate launch ... swift/cli/sft.py`, `deepspeed ... swift/cli/sft.py`, and ms-swift 2.x's
+`python llm_sft.py` (its examples' entry point); its launcher's options, and its sft arguments as flags.
 
 A command this tool does not supervise (RLHF, pre-training, inference, export, ...) or one it cannot read
 raises ImportRefused with what and where. Pure.
@@ -54,8 +55,11 @@ class Training:
 _SUB = {"sft": "sft", "pt": "pre-training (`pt`)", "rlhf": "RLHF (`rlhf`)", "infer": "inference (`infer`)",
         "export": "export (`export`)", "deploy": "deployment (`deploy`)", "eval": "evaluation (`eval`)",
         "sample": "sampling (`sample`)", "rollout": "rollout (`rollout`)", "app": "an app (`app`)",
-        "web-ui": "the web UI (`web-ui`)", "merge-lora": "a LoRA merge (`merge-lora`)"}
-_LAUNCHERS = {"torchrun"}
+        "web-ui": "the web UI (`web-ui`)", "merge-lora": "a LoRA merge (`merge-lora`)",
+        # ms-swift 2.x's preference-training subcommands (3.x and later: `swift rlhf --rlhf_type NAME`)
+        **{k: f"RLHF (2.x `{k}`; since 3.0 `swift rlhf --rlhf_type {k}`)" for k in ("dpo", "orpo", "simpo", "kto", "cpo")}}
+# programs that start the training script on each GPU (torch's and DeepSpeed's launchers), like `torchrun`
+_LAUNCHERS = {"torchrun", "deepspeed"}
 # environment managers whose `run` subcommand runs the command after it (`uv run`, `conda run -n env`), and their
 # options that take a value
 _RUNNERS = {"uv", "conda", "mamba", "micromamba", "poetry", "pipenv", "pixi"}
@@ -63,9 +67,13 @@ _RUNNER_VALUED = {"-n", "--name", "-p", "--prefix", "--python", "--with", "--pro
                   "--environment", "-e", "--manifest-path"}
 _PYTHON = re.compile(r"^(.*/)?python(3(\.\d+)?)?$")
 _SCRIPT = re.compile(r"(^|/)swift/cli/(_megatron/)?([a-z_]+)\.py$")
+# ms-swift 2.x's example entry points (examples/pytorch/llm/llm_sft.py: `from swift.llm import sft_main`)
+_V2_SCRIPT = re.compile(r"(^|/)llm_([a-z]+)\.py$")
 _MODULE = re.compile(r"^swift\.cli\.(_megatron\.)?([a-z_]+)$")
 # torchrun options without a value (torch.distributed.run's store_true options)
 _TORCHRUN_BARE = {"standalone", "no_python", "run_path", "module", "m", "tee_stdout"}
+_DEEPSPEED_BARE = {"no_python", "module", "no_local_rank", "force_multi", "elastic_training", "bind_cores_to_rank",
+                   "no_ssh_check", "no_ssh", "enable_each_rank_log"}
 _ACCELERATE_BARE = {"multi_gpu", "use_deepspeed", "use_fsdp", "cpu", "mixed_precision_no", "debug"}
 
 
@@ -107,10 +115,10 @@ def _launched(words: tuple[str, ...]) -> tuple[str, str, str, tuple[tuple[str, s
         return "python -m", m.group(2), "megatron" if m.group(1) else "swift", (), tuple(rest[2:])
     form = "python"
     if prog in _LAUNCHERS or (prog == "accelerate" and rest[:1] == ["launch"]):
-        form = "torchrun" if prog in _LAUNCHERS else "accelerate launch"
+        form = prog if prog in _LAUNCHERS else "accelerate launch"
         if prog == "accelerate":
             rest = rest[1:]
-        bare = _TORCHRUN_BARE if prog in _LAUNCHERS else _ACCELERATE_BARE
+        bare = {"torchrun": _TORCHRUN_BARE, "deepspeed": _DEEPSPEED_BARE}.get(prog, _ACCELERATE_BARE)
         while rest and rest[0].startswith("-"):
             opt, eq, val = rest.pop(0).partition("=")
             name = opt.lstrip("-").replace("-", "_")
@@ -127,7 +135,8 @@ def _launched(words: tuple[str, ...]) -> tuple[str, str, str, tuple[tuple[str, s
         return None
     m = _SCRIPT.search(rest[0])
     if not m:
-        return None
+        v2 = _V2_SCRIPT.search(rest[0])
+        return None if v2 is None else (form, v2.group(2), "swift", tuple(launcher), tuple(rest[1:]))
     return form, m.group(3), "megatron" if m.group(2) else "swift", tuple(launcher), tuple(rest[1:])
 
 

@@ -142,6 +142,9 @@ REPLACEMENTS: dict[str, dict[str, str]] = {
         "deepspeed": "swift sft only; megatron sft shards with tensor/pipeline/expert parallel sizes (parallel.*)",
         "fsdp": "swift sft only; Megatron-FSDP is use_megatron_fsdp",
         "target_parameters": "swift sft only; megatron LoRA targets are target_modules / target_regex",
+        "use_flash_attn": _to("megatron", "attention_backend", "3.x's Megatron-LM switch; 4.x's default is flash"),
+        "no_rope_fusion": "apply_rope_fusion, with the opposite value (3.x name)",
+        "no_bias_swiglu_fusion": "bias_activation_fusion, with the opposite value (3.x name)",
     },
     "swift": {
         "train_type": _to("swift", "tuner_type", "renamed in ms-swift 4.0, alias dropped in 4.1"),
@@ -196,6 +199,7 @@ RENAMED: dict[str, dict[str, str]] = {
         "learning_rate": "lr", "max_steps": "train_iters", "per_device_train_batch_size": "micro_batch_size",
         "warmup_ratio": "lr_warmup_fraction", "warmup_steps": "lr_warmup_iters", "max_grad_norm": "clip_grad",
         "adam_epsilon": "adam_eps", "save_only_model": "no_save_optim", "lora_target_modules": "target_modules",
+        "use_flash_attn": "attention_backend",
     },
     "swift": {
         "train_type": "tuner_type", "lr": "learning_rate", "train_iters": "max_steps",
@@ -208,17 +212,30 @@ RENAMED: dict[str, dict[str, str]] = {
 }
 # ms-swift 2.x names still in old scripts (3.x and 4.x reject them: `ValueError: remaining_argv`), each taking the
 # same value under its 4.x name
+# (legacy.py converts the values whose 2.x spelling 4.x rejects: `--dtype bf16`, `--deepspeed default-zero2`, ...)
 _V2 = {"lora_target_modules": "target_modules", "sft_type": "tuner_type", "model_id_or_path": "model",
-       "custom_train_dataset_path": "dataset", "custom_val_dataset_path": "val_dataset", "lora_dropout_p": "lora_dropout"}
+       "custom_train_dataset_path": "dataset", "custom_val_dataset_path": "val_dataset", "lora_dropout_p": "lora_dropout",
+       "dtype": "torch_dtype", "preprocess_num_proc": "dataset_num_proc", "dataset_test_ratio": "split_dataset_ratio",
+       "quantization_bit": "quant_bits", "bnb_4bit_comp_dtype": "bnb_4bit_compute_dtype",
+       "lora_modules_to_save": "modules_to_save"}
 # 2.x names whose 4.x name differs between the two commands (2.x had one `--batch_size` for both)
 _V2_BY_BACKEND = {"megatron": {"batch_size": "micro_batch_size",
                                "template_type": "template"},
-                  "swift": {"batch_size": "per_device_train_batch_size",
+                  "swift": {"batch_size": "per_device_train_batch_size", "use_flash_attn": "attn_impl",
                             "eval_batch_size": "per_device_eval_batch_size", "template_type": "template"}}
 for _b in BACKENDS:
     for _old, _new in (_V2 | _V2_BY_BACKEND[_b]).items():
         REPLACEMENTS[_b][_old] = _to(_b, _new, "the ms-swift 2.x name")
         RENAMED[_b].setdefault(_old, _new)
+    # 2.x names with no 4.x flag: what became of them
+    REPLACEMENTS[_b] |= {
+        "check_dataset_strategy": "removed in ms-swift 3.0 (2.x's dataset check has no 4.x switch)",
+        "train_dataset_mix_ratio": "removed in ms-swift 3.0 (mix datasets with `--dataset name#N` counts)",
+        "use_loss_scale": "removed in ms-swift 3.0 (the agent loss weighting is `--loss_scale`)",
+        "train_dataset_sample": "removed in ms-swift 3.0 (sample with `--dataset name#N`)",
+        "val_dataset_sample": "removed in ms-swift 3.0 (sample with `--val_dataset name#N`)",
+        "self_cognition_sample": "removed in ms-swift 3.0 (add `swift/self-cognition#N` to --dataset)",
+    }
 
 
 def normalise(name: str) -> str:

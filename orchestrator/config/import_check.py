@@ -8,9 +8,10 @@ from pathlib import Path
 
 from orchestrator.config import flags as F
 from orchestrator.config.command_form import Training
+from orchestrator.config.import_env import LAUNCHER_COUNTS
 from orchestrator.config.importer import Imported
 
-_PATHS = {"model", "output_dir", "dataset", "val_dataset"}
+_PATHS = {"model", "output_dir", "dataset", "val_dataset", "mcore_model"}  # those the recipe resolves
 
 
 def rendered_values(argv: list[str] | tuple[str, ...], name: str) -> tuple[str, ...] | None:
@@ -72,8 +73,7 @@ def round_trip_problems(t: Training, imported: Imported, argv: list[str] | tuple
     for opt, value in t.launcher:
         if (f"{launcher} --{opt}", value) in dropped:
             continue
-        var = {"nproc_per_node": "NPROC_PER_NODE", "num_processes": "NPROC_PER_NODE", "nnodes": "NNODES",
-               "num_machines": "NNODES"}.get(opt)
+        var = LAUNCHER_COUNTS[opt][0] if opt in LAUNCHER_COUNTS else None
         if var is None or (env.get(var) != value and not (var == "NNODES" and value == "1")):
             out.append(f"{launcher} --{opt} {value}: rendered as {var}={env.get(var or '')!r}")
     return out

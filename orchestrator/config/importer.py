@@ -6,13 +6,14 @@ project ships (flags.KNOWN, flags.MANAGED, flags.RENAMED) and the recipe schema'
 from __future__ import annotations
 
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
 
 from orchestrator.config import flags as F
 from orchestrator.config.command_form import Flag, ImportRefused, Training
+from orchestrator.config.import_env import default_processes, environment
+from orchestrator.config.import_values import convert, extra_value
 from orchestrator.config.schema import Recipe
 
 # Flags rendered from a recipe key (beyond flags.MANAGED's): flag -> dotted key.
@@ -42,14 +43,7 @@ _RESUME_WHY = ("resume is the orchestrator's: each relaunch resumes from the new
                "this flag itself); starting from an existing adapter is not imported")
 _SAVE_STEPS_WHY = ('the orchestrator chooses the interval at every launch (checkpoint.save_steps = "auto": the '
                    'measured save cost and crash rate); set checkpoint.save_steps = {v} to keep a fixed one')
-OWNED_ENV = {"CUDA_VISIBLE_DEVICES", "NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"}
-_LAUNCH_WHY = ("set by the orchestrator at each launch (a free port from supervisor.port_range; several nodes: "
-               "Slurm, parallel.nnodes)")
 _PATH_FLAGS = {"model", "output_dir", "dataset", "val_dataset"}
-_INT = re.compile(r"[+-]?\d+")
-_FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
-_BOOL = {"true": True, "false": False, "yes": True, "no": False, "t": True, "f": False, "y": True, "n": False,
-         "1": True, "0": False}
 
 
 def recipe_keys(backend: str) -> dict[str, str]:
@@ -95,49 +89,6 @@ def _field_type(key: str) -> type:
     if origin is typing.Literal:
         return str
     return base if base in (bool, int, float) else str
-
-
-def convert(values: tuple[str, ...], kind: type) -> object:
-    """Argv words as a value of `kind`; ValueError saying what was expected."""
-    if kind is list:
-        if not values:
-            raise ValueError("expected one or more values, got none")
-        return list(values)
-    if kind is bool and not values:
-        return True  # a bare flag: ms-swift reads it as true
-    if len(values) != 1:
-        raise ValueError(f"expected one value, got {len(values)}" + (f": {' '.join(values)}" if values else ""))
-    v = values[0]
-    if kind is bool:
-        if v.lower() not in _BOOL:
-            raise ValueError(f"expected true or false, got {v!r}")
-        return _BOOL[v.lower()]
-    if kind is int:
-        if not _INT.fullmatch(v):
-            raise ValueError(f"expected a whole number, got {v!r}")
-        return int(v)
-    if kind is float:
-        if not _FLOAT.fullmatch(v):
-            raise ValueError(f"expected a number, got {v!r}")
-        return float(v)
-    return v
-
-
-def extra_value(values: tuple[str, ...]) -> object:
-    """An extra_args value from argv words: true/false, a number that renders back to the same value, a string,
-    or a list of strings; a bare flag is true."""
-    if not values:
-        return True
-    if len(values) > 1:
-        return list(values)
-    v = values[0]
-    if v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    if _INT.fullmatch(v) and str(int(v)) == v:
-        return int(v)
-    if _FLOAT.fullmatch(v) and ("." in v or "e" in v.lower()) and math.isfinite(float(v)):
-        return float(v)
-    return v
 
 
 def _latest(flag_list: tuple[Flag, ...], out: Imported, backend: str) -> list[tuple[Flag, str]]:
@@ -190,7 +141,7 @@ def translate(t: Training, run_name: str) -> Imported:
             problems.append(f"line {f.line}: {f.written}: {e}" + (" (the command looks cut off)" if cut else ""))
     if problems:
         raise ImportRefused(problems)
-    _environment(out, t)
+    environment(out, t)
     _defaults(out, t, backend, given, problems)
     if problems:
         raise ImportRefused(problems)
@@ -258,43 +209,6 @@ def _one(out: Imported, backend: str, keys: dict[str, str], f: Flag, name: str, 
         _record(out, f, name, f"extra_args.{name}")
 
 
-def _environment(out: Imported, t: Training) -> None:
-    """The command's environment and its launcher's options: recipe keys, env.vars, or dropped with the reason."""
-    for name, value in t.env.items():
-        if name == "NPROC_PER_NODE":
-            out.set("parallel.nproc_per_node", convert((value,), int))
-            out.mapped.append({"flag": name, "value": value, "key": "parallel.nproc_per_node"})
-        elif name == "NNODES":
-            out.set("parallel.nnodes", convert((value,), int))
-            out.mapped.append({"flag": name, "value": value, "key": "parallel.nnodes"})
-        elif name in OWNED_ENV - {"CUDA_VISIBLE_DEVICES"}:
-            out.drop(name, value, _LAUNCH_WHY)
-        elif name == "CUDA_VISIBLE_DEVICES" and not value.strip():
-            out.drop(name, value, "empty: it would hide every GPU; the orchestrator launches on the GPUs it has "
-                                  "verified clear (env.vars.CUDA_VISIBLE_DEVICES to pin some)")
-        else:  # CUDA_VISIBLE_DEVICES too: the GPUs the orchestrator verifies clear before each launch
-            out.set(f"env.vars.{name}", value)
-            out.mapped.append({"flag": name, "value": value, "key": f"env.vars.{name}"})
-    launcher = t.form.removesuffix(" sft")
-    for opt, value in t.launcher:
-        flag = f"{launcher} --{opt}"
-        var, key = {"nproc_per_node": ("NPROC_PER_NODE", "parallel.nproc_per_node"),
-                    "num_processes": ("NPROC_PER_NODE", "parallel.nproc_per_node"),
-                    "nnodes": ("NNODES", "parallel.nnodes"), "num_machines": ("NNODES", "parallel.nnodes")
-                    }.get(opt, ("", ""))
-        if var and var in t.env:
-            out.drop(flag, value, f"{var}={t.env[var]} is given too and sets {key}")
-        elif var:
-            out.set(key, convert((value,), int))
-            out.mapped.append({"flag": flag, "value": value, "key": key})
-        elif opt in ("node_rank", "machine_rank", "master_addr", "master_port", "main_process_ip",
-                     "main_process_port") or opt.startswith("rdzv"):
-            out.drop(flag, value, _LAUNCH_WHY)
-        else:
-            out.drop(flag, value, f"a `{launcher}` option: the orchestrator launches the trainer itself "
-                                  f"(`{F.COMMAND[out.recipe['run']['backend']]}` with NPROC_PER_NODE)")
-
-
 def _get(out: Imported, key: str) -> typing.Any:
     section, name = key.split(".")
     return out.recipe.get(section, {}).get(name)
@@ -340,14 +254,8 @@ def _defaults(out: Imported, t: Training, backend: str, given: dict, problems: l
         else:
             out.set("optim.epochs", 3.0)
             out.notes.append("optim.epochs = 3: ms-swift's default --num_train_epochs (the command gave none)")
-    par = out.recipe.get("parallel", {})
-    if "nproc_per_node" not in par:
-        visible = t.env.get("CUDA_VISIBLE_DEVICES", "")
-        n = len([d for d in visible.split(",") if d.strip()]) if backend == "megatron" else 1
-        out.set("parallel.nproc_per_node", n or 8)
-        out.notes.append(f"parallel.nproc_per_node = {n or 8}: " + (
-            "one process, as `swift sft` runs without NPROC_PER_NODE" if backend == "swift" else
-            "the GPUs CUDA_VISIBLE_DEVICES names" if n else "the recipe's default (the command did not say)"))
+    default_processes(out, t, backend)
+    par = out.recipe["parallel"]
     if par.get("sequence_parallel") and par.get("tensor", 1) <= 1:
         par.pop("sequence_parallel")
         f, _ = given["sequence_parallel"]

@@ -65,7 +65,9 @@ class RecipeError(Exception):
 
 # --- loading -------------------------------------------------------------------------------------
 
-_PATH_KEYS = (("run", "output_dir"), ("run", "persistent_dir"), ("model", "path"))
+# extra_args.mcore_model too: ms-swift would read a relative one against the launch directory (the run's
+# output_dir), while model.path, which names the same model, is read against the recipe
+_PATH_KEYS = (("run", "output_dir"), ("run", "persistent_dir"), ("model", "path"), ("extra_args", "mcore_model"))
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

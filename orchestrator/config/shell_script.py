@@ -2,7 +2,9 @@
 `NAME=value` assignments and `export` applied in order, `$VAR` / `${VAR}` / `${VAR:-default}` expanded,
 `$((...))` and `$(expr ...)` integer arithmetic evaluated, quotes removed (shlex). Nothing is executed.
 
-Bad input raises ScriptError naming the line: an unclosed quote, a trailing `\\` (a paste cut off).
+Bad input raises ScriptError naming the line: an unclosed quote. A text that stops right after a `\\` is a
+paste cut off (the command is marked so); a last line ending in `\\` before the file's final newline ends the
+command there, as bash runs it.
 A variable with no value is recorded per command (its `unresolved` names, including those behind the
 variables it uses), as is a command substitution (its `problems`), for the caller to decide: only the
 command being imported must be fully resolved. Pure and stdlib-only.
@@ -60,9 +62,14 @@ def logical_commands(script: str) -> list[_Raw]:
     while i < n:
         c = script[i]
         if c == "\\" and quote != "'":
-            if quote == "" and script[i + 1:] in ("", "\n"):
-                # the script ends in a continuation: the command is recorded as cut off, so that the caller can
-                # still say what it is (an inference command cut off is refused as inference)
+            if quote == "" and script[i + 1:] == "\n":
+                # a last line ending in `\` then the newline that ends the file: bash runs the command as it
+                # stands (ms-swift 2.x's own example scripts all end so), so it ends here
+                flush()
+                return out
+            if quote == "" and i + 1 == n:
+                # the text stops right after a `\`, not even its line complete: recorded as cut off, so that the
+                # caller can still say what it is (an inference command cut off is refused as inference)
                 flush(f"line {line}: the script ends with a line continuation `\\`: the command looks cut off")
                 return out
             if i + 1 >= n:

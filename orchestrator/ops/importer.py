@@ -16,6 +16,7 @@ from orchestrator.config import recipe as R
 from orchestrator.config.command_form import ImportRefused, Training, find_training
 from orchestrator.config.import_check import round_trip_problems
 from orchestrator.config.importer import Imported, translate
+from orchestrator.config.legacy import modernise
 from orchestrator.config.paste import unwrap
 from orchestrator.config.render.command import render_command, rendering_problems
 from orchestrator.config.shell_script import ScriptError, commands
@@ -75,8 +76,12 @@ def import_script(text: str, source: str, output: Path | None, variables: dict[s
         cmds = commands(unwrap(text), variables)
     except ScriptError as e:
         raise ImportRefused([str(e)]) from None
-    t, _ = find_training(cmds)
+    found, _ = find_training(cmds)
+    legacy = modernise(found)  # 2.x / 3.x values in their 4.x form, before the flags are renamed and mapped
+    t = legacy.training
     imported = translate(t, "imported")
+    imported.dropped[:0] = legacy.dropped
+    imported.notes[:0] = legacy.notes
     imported.recipe["run"]["name"] = run_name(output, source, imported.recipe)
     toml = recipe_text(imported.recipe, source, t, imported)
     where = (output.parent if output else Path.cwd()).absolute()
