@@ -71,6 +71,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.domain import simulate as S  # noqa: E402
 from orchestrator.domain import simulate_report as R  # noqa: E402
+from orchestrator.domain.simulate_stats import Summary, compare  # noqa: E402
 
 QUICK = {"seeds": 5}
 LABEL = {"checkpoint": "checkpoint writes", "startup": "startup", "lost_progress": "lost progress", "hang": "hang",
@@ -88,16 +89,16 @@ def scenarios() -> list[tuple[str, S.Scenario]]:
             (SENSITIVITY + "field, give-up answered in 8 h", replace(S.FIELD, gave_up_response_s=8 * 3600.0))]
 
 
-def results(seeds: int = 200) -> list[tuple[str, S.Summary]]:
+def results(seeds: int = 200) -> list[tuple[str, Summary]]:
     """(row name, summary) for both loops of every scenario, orchestrator first."""
     out = []
     for name, sc in scenarios():
-        c = S.compare(sc, range(seeds))
+        c = compare(sc, range(seeds))
         out += [(f"ETT {name}: orchestrator", c["orchestrator"]), (f"ETT {name}: plain restart loop", c["plain"])]
     return out
 
 
-def _rows(res: list[tuple[str, S.Summary]]) -> list[dict]:
+def _rows(res: list[tuple[str, Summary]]) -> list[dict]:
     rows = []
     for (n_orch, orch), (n_plain, plain) in zip(res[::2], res[1::2]):
         gated = SENSITIVITY not in n_orch
@@ -150,16 +151,16 @@ def run(seeds: int = 200) -> list[dict]:
     return _rows(results(seeds)) + priced_rows(seeds)
 
 
-def _lost(sm: S.Summary, top: int = 6) -> str:
+def _lost(sm: Summary, top: int = 6) -> str:
     parts = sorted(((v, k) for k, v in sm.lost_share.items() if v >= 0.0005), reverse=True)[:top]
     return ", ".join(f"{LABEL[k]} {v:.1%}" for v, k in parts)
 
 
-def _causes(sm: S.Summary, top: int = 5) -> str:
+def _causes(sm: Summary, top: int = 5) -> str:
     return ", ".join(f"{k} {v:.1%}" for k, v in list(sm.class_share.items())[:top])
 
 
-def print_table(res: list[tuple[str, S.Summary]], seeds: int) -> None:
+def print_table(res: list[tuple[str, Summary]], seeds: int) -> None:
     ideal_h = S.FIELD.ideal_s / 3600
     print(f"effective training time, {seeds} seeds per row; a run = {S.FIELD.total_steps} steps x "
           f"{S.FIELD.step_s:g} s = {ideal_h:.0f} h of training\n")
