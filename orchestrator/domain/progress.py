@@ -1,12 +1,13 @@
 """Progress from trainer output -> Progress. Pure.
 
-Formats, each tested against lines pasted in public issue threads (tests/fixtures/progress/):
+Formats, each tested against real output (tests/fixtures/progress/: lines pasted in public issue threads and logs
+ms-swift's and Megatron-LM's own repositories quote):
 - ms-swift 4.x (and 3.x `swift sft`) print `str(dict)` per logged step (Python repr: single quotes, bare
   nan/inf; under transformers 5 every float is a string). Parsed with ast.literal_eval, never eval.
 - ms-swift 1.x/2.x print the same dict with `'global_step': 5` (an int, no max steps) where later versions print
   `'global_step/max_steps': '5/1000'`.
 - logging.jsonl: the same records as JSON (ms-swift 3.x megatron names its loss `lm loss`).
-- Megatron-LM's training_log, which ms-swift 3.x's Megatron backend prints too: one pipe-separated line per
+- Megatron-LM's training_log, which ms-swift's 2.x and 3.x Megatron backends print too: one pipe-separated line per
   logged iteration, ` [2026-01-20 08:33:58] iteration        5/     206 | consumed samples: ... |
   lm loss: 1.180399E+00 | ... | grad norm: 1.105 | number of skipped iterations:   0 | ...`.
 Every format is found anywhere in the line: timestamps, `master-0 >> `, `[rank7]: ` and a tqdm bar glued
