@@ -179,10 +179,11 @@ def find_training(cmds: list[Command]) -> tuple[Training, Command]:
 def _continued(c: Command, cmds: list[Command]) -> None:
     """ImportRefused when the command after the training one starts with a flag: a line of the training command
     lost its `\\` (or has a comment after it), so bash runs the flags below it as a command of their own."""
-    after = cmds[cmds.index(c) + 1:cmds.index(c) + 2]
-    if after and after[0].words and after[0].words[0].startswith("-") and not after[0].prefix:
-        n = after[0].line
-        raise ImportRefused([(f"line {n}: `{after[0].words[0]}` starts a command of its own: the line before it does "
+    i = cmds.index(c) + 1
+    nxt = cmds[i] if i < len(cmds) else None
+    if nxt and nxt.words and nxt.words[0].startswith("-") and not nxt.prefix:
+        n = nxt.line
+        raise ImportRefused([(f"line {n}: `{nxt.words[0]}` starts a command of its own: the line before it does "
                               f"not end with `\\` (a comment after a `\\` ends the line too), so the command at line "
                               f"{c.line} stops there and bash runs the flags from line {n} on apart; add the `\\`")])
 

@@ -28,12 +28,10 @@ OWNED_ENV = {"CUDA_VISIBLE_DEVICES", "NPROC_PER_NODE", "NNODES", "NODE_RANK", "M
 _LAUNCH_WHY = ("set by the orchestrator at each launch (a free port from supervisor.port_range; several nodes: "
                "Slurm, parallel.nnodes)")
 # launcher option -> the variable and recipe key it sets (torchrun, accelerate launch, deepspeed)
-LAUNCHER_COUNTS = {"nproc_per_node": ("NPROC_PER_NODE", "parallel.nproc_per_node"),
-           "num_processes": ("NPROC_PER_NODE", "parallel.nproc_per_node"),
-           "num_gpus": ("NPROC_PER_NODE", "parallel.nproc_per_node"),
-           "num_accelerators": ("NPROC_PER_NODE", "parallel.nproc_per_node"),
-           "nnodes": ("NNODES", "parallel.nnodes"), "num_machines": ("NNODES", "parallel.nnodes"),
-           "num_nodes": ("NNODES", "parallel.nnodes")}
+_PROCESSES, _NODES = ("NPROC_PER_NODE", "parallel.nproc_per_node"), ("NNODES", "parallel.nnodes")
+LAUNCHER_COUNTS = {"nproc_per_node": _PROCESSES, "num_processes": _PROCESSES, "num_gpus": _PROCESSES,
+                   "num_accelerators": _PROCESSES, "nnodes": _NODES, "num_machines": _NODES, "num_nodes": _NODES}
+_COUNT_KEYS = dict((_PROCESSES, _NODES))   # the variables with the same meaning: variable -> recipe key
 _RENDEZVOUS = {"node_rank", "machine_rank", "master_addr", "master_port", "main_process_ip", "main_process_port"}
 # launcher options that point at a file (or host list) holding the layout, which import does not open
 _ELSEWHERE = {"config_file": "the launch configuration in it (processes, machines, FSDP / DeepSpeed settings)",
@@ -56,12 +54,9 @@ def environment(out: Imported, t: Training) -> None:
     """Maps the command's environment and its launcher's options to recipe keys and env.vars, or drops them with
     the reason."""
     for name, value in t.env.items():
-        if name == "NPROC_PER_NODE":
-            out.set("parallel.nproc_per_node", convert((value,), int))
-            out.mapped.append({"flag": name, "value": value, "key": "parallel.nproc_per_node"})
-        elif name == "NNODES":
-            out.set("parallel.nnodes", convert((value,), int))
-            out.mapped.append({"flag": name, "value": value, "key": "parallel.nnodes"})
+        if name in _COUNT_KEYS:
+            out.set(_COUNT_KEYS[name], convert((value,), int))
+            out.mapped.append({"flag": name, "value": value, "key": _COUNT_KEYS[name]})
         elif name in OWNED_ENV - {"CUDA_VISIBLE_DEVICES"}:
             out.drop(name, value, _LAUNCH_WHY)
         elif name == "CUDA_VISIBLE_DEVICES" and not value.strip():

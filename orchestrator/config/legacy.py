@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from orchestrator.config import flags as F
 from orchestrator.config.command_form import Flag, Training
+from orchestrator.config.import_values import convert
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _AUTO_WHY = {
@@ -32,7 +33,6 @@ _TO_SAVE = {"EMBEDDING": "all-embedding", "LN": "all-norm"}
 _MODEL_DEFAULT = ("DEFAULT", "AUTO")
 # 3.x Megatron `--no_X` switches whose 4.x flag is not plainly X
 _NEGATED = {"no_rope_fusion": "apply_rope_fusion", "no_bias_swiglu_fusion": "bias_activation_fusion"}
-_TRUE, _FALSE = {"true", "1", "yes", "t", "y"}, {"false", "0", "no", "f", "n"}
 
 
 @dataclass
@@ -45,11 +45,12 @@ class Modernised:
 
 
 def _bool(values: tuple[str, ...]) -> bool | None:
-    """Reads a bare flag or a true/false word as a bool; returns None for anything else."""
-    if not values:
-        return True
-    word = values[0].lower() if len(values) == 1 else ""
-    return True if word in _TRUE else False if word in _FALSE else None
+    """Reads a bare flag or a true/false word as a bool, as the recipe's values are read; returns None for
+    anything else."""
+    try:
+        return bool(convert(values, bool))
+    except ValueError:
+        return None
 
 
 def _sampled(name: str, n: int) -> str:

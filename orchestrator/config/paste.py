@@ -1,7 +1,7 @@
 """A command as people paste it (from a GitHub issue, a chat, a Windows editor) back to the shell text it wraps:
 Windows line endings made Unix ones, Markdown code fences (```, ```bash, a fence glued to the first command),
-a pair of single backticks around the whole paste and shell prompts (`$ `, `(env) user@host:~/dir$ `) removed. Line numbers are kept (a removed fence leaves
-an empty line), so errors still name the line of the original.
+a pair of single backticks around the whole paste and shell prompts (`$ `, `(env) user@host:~/dir$ `) removed.
+Line numbers are kept (a removed fence leaves an empty line), so errors still name the line of the original.
 
 A fence that is opened and never closed means the paste ends before its command does, and a PowerShell script
 (`$env:NAME=`, backtick line ends) is not bash: ScriptError says so.
