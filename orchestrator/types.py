@@ -146,6 +146,49 @@ class CheckpointInfo:
     loss: float | None = None       # the loss logged at this step, when known (for best-loss retention)
 
 
+class Standing(StrEnum):
+    """What a checkpoint may be used for. One owner changes it (store/standing.py), each change checked against
+    STANDING_TRANSITIONS and recorded in the journal. Only `usable` ones (healthy, published) are resumed from,
+    published, kept by retention as good, or merged by the final export."""
+
+    WRITTEN = "written"        # complete on disk; verification not done yet
+    VERIFIED = "verified"      # its files verified; the content check (NaN/Inf, stale copy) not done yet
+    HEALTHY = "healthy"        # verified and content-checked, and no finding names it
+    PUBLISHED = "published"    # healthy, and its copy on persistent storage verified
+    INVALID = "invalid"        # failed verification (torn, wrong shape): never used, kept for a person
+    SET_ASIDE = "set_aside"    # moved out of the checkpoint namespace, for a SetAsideReason
+
+
+USABLE = frozenset({Standing.HEALTHY, Standing.PUBLISHED})
+
+# A new save of the same step (a relaunch rewrites the checkpoints after its resume point) starts again at
+# WRITTEN from any standing; the rest only move forward, or aside.
+STANDING_TRANSITIONS: dict[Standing, frozenset[Standing]] = {
+    Standing.WRITTEN: frozenset({Standing.VERIFIED, Standing.INVALID, Standing.SET_ASIDE}),
+    Standing.VERIFIED: frozenset({Standing.HEALTHY, Standing.INVALID, Standing.SET_ASIDE}),
+    Standing.HEALTHY: frozenset({Standing.PUBLISHED, Standing.SET_ASIDE}),
+    Standing.PUBLISHED: frozenset({Standing.SET_ASIDE}),
+    Standing.INVALID: frozenset({Standing.SET_ASIDE}),
+    Standing.SET_ASIDE: frozenset(),
+}
+
+
+class SetAsideReason(StrEnum):
+    """Why checkpoints were set aside. Each names the directory suffix the moved copies get (`tag`)."""
+
+    NONFINITE = "nonfinite"    # a NaN or Inf in its weights (checkpoint_nonfinite)
+    UNCHANGED = "unchanged"    # byte-identical to an earlier save although training went on (checkpoint_unchanged)
+    NAN = "nan"                # written at or after a NaN/Inf loss or grad norm in the log
+    SUSPECT = "suspect"        # the checkpoint a resume diverged from, and what that attempt saved
+    DIVERGED = "diverged"      # written at or after a divergence's onset (loss_divergence, loss_limit, grad_norm_limit)
+
+    @property
+    def tag(self) -> str:
+        """The suffix its moved directories carry (the names earlier releases used)."""
+        return {SetAsideReason.NONFINITE: "checkpoint_nonfinite", SetAsideReason.UNCHANGED: "checkpoint_unchanged",
+                SetAsideReason.DIVERGED: "suspect"}.get(self, self.value)
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One launch of the trainer, as recorded in the journal."""

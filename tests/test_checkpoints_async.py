@@ -102,15 +102,18 @@ def test_tracker_neither_verifies_prunes_nor_resumes_from_a_save_in_flight(track
     save(out, 20)  # in flight: the link still names 10
     rc = tracker()
     rc.scan(T0 + 30)
+    assert rc.wait_checks(60)   # content-checked: healthy
     assert [c["step"] for c in journal.checkpoints()] == [10]
     assert rc.resume_point().step == 10
     assert rc.prune(keep=1, pressure=True, writing=True) == 0
     assert (out / "checkpoint-20").is_dir() and (out / "checkpoint-10").is_dir()
     again = tracker()  # a supervisor restarted mid-run sees the same
     again.scan(T0 + 31)
+    assert again.wait_checks(60)   # content-checked: healthy
     assert again.resume_point().step == 10 and str(out / "checkpoint-20") not in again.seen
     move_link(out, 20, T0 + 40)  # the background write finished: the finalize moved the link
     again.scan(T0 + 41)
+    assert again.wait_checks(60)   # content-checked: healthy
     assert again.seen.get(str(out / "checkpoint-20")) is True
     assert again.resume_point().step == 20
     assert [c["step"] for c in journal.checkpoints()] == [10, 20]
@@ -125,15 +128,20 @@ def test_a_relaunch_rewriting_a_checkpoint_waits_for_the_link_again(tracked):
     move_link(out, 20, T0 + 25)
     rc = tracker()
     rc.scan(T0 + 26)
+    assert rc.wait_checks(60)   # content-checked: healthy
     assert rc.seen.get(str(out / "checkpoint-20")) is True
     rc.forget_after(10)
     it = out / "checkpoint-20" / ck.ITER_FILE
     it.write_text("20")
-    os.utime(it, (T0 + 100, T0 + 100))
-    rc.scan(T0 + 101)
+    # the rewrite is newer than our manifest of the old save (hashed, and awaited, above): as on a real disk
+    later = (out / "checkpoint-20" / "orchestrator-manifest.json").stat().st_mtime + 100
+    os.utime(it, (later, later))
+    rc.scan(later + 1)
+    assert rc.wait_checks(60)
     assert str(out / "checkpoint-20") not in rc.seen
-    move_link(out, 20, T0 + 130)
-    rc.scan(T0 + 131)
+    move_link(out, 20, later + 30)
+    rc.scan(later + 31)
+    assert rc.wait_checks(60)   # content-checked: healthy
     assert rc.seen.get(str(out / "checkpoint-20")) is True
 
 

@@ -69,9 +69,10 @@ PRECEDENCE = [("NAN", "EXITED"), ("NAN", "DONE"), ("NAN", "STOP"), ("NAN", "FULL
               ("EXITED", "FULL"), ("EXITED", "HANG"), ("EXITED", "DIVERGED"),
               ("STOP", "FULL"), ("STOP", "DIVERGED"), ("STOP", "HANG"),
               ("FULL", "DIVERGED"), ("FULL", "HANG"), ("DIVERGED", "HANG"),
-              # run health: completion and a NaN outrank it; it outranks a crash (no relaunch into a divergence),
-              # a stop request and a full disk (its finding is reported once: acted on now or never)
-              ("NAN", "UNHEALTHY"), ("DONE", "UNHEALTHY"), ("TEARDOWN", "ROLLBACK"),
+              # run health: a NaN outranks it (and sets aside from its onset, below); it outranks completion (no
+              # export or publication past a divergence's onset), a crash (no relaunch into a divergence), a stop
+              # request and a full disk
+              ("NAN", "UNHEALTHY"), ("UNHEALTHY", "DONE"), ("ROLLBACK", "TEARDOWN"), ("UNHEALTHY", "TORN"),
               ("UNHEALTHY", "EXITED"), ("ROLLBACK", "EXITED"), ("UNHEALTHY", "STOP"), ("ROLLBACK", "STOP"),
               ("UNHEALTHY", "FULL"), ("ROLLBACK", "HANG"), ("DIVERGED", "SLOW"), ("STOP", "SLOW"), ("SLOW", "HANG")]
 ALONE = {"NAN": "crashed:nan_loss", "EXPORT_EXIT": "ExportExited", "TEARDOWN": "TrainingOver",
@@ -104,3 +105,18 @@ def test_verdicts_carry_what_act_needs():
     assert judge(replace(QUIET, **ROLLBACK)) == RolledBack(ROLLBACK_ACTION, False)
     assert judge(replace(QUIET, exit=EXIT1, **UNHEALTHY)) == HealthStop(UNHEALTHY["health"].stop)
     assert judge(replace(QUIET, **SLOW)) == SlowRestart(SLOW["health"].restart)
+
+
+@pytest.mark.parametrize("nan_step, onset, first", [(7, None, 7), (7, 5, 5), (7, 9, 7)])
+def test_a_nan_that_wins_the_pass_sets_aside_from_the_earliest_onset_any_finding_names(nan_step, onset, first):
+    """A loss over the limit at step 5 and a NaN at 7 read in one pass: the NaN decides, but checkpoint-5 (saved
+    over the limit) is no more healthy than checkpoint-7."""
+    obs = replace(QUIET, nan_line=("{'loss': nan}",), nan_step=nan_step,
+                  health=HealthSeen(rollback=ROLLBACK_ACTION, onset=onset))
+    v = judge(obs)
+    assert isinstance(v, Crashed) and v.nan_step == nan_step and v.set_aside_from == first
+
+
+def test_a_stop_carries_the_onset_it_sets_aside_from():
+    v = judge(replace(QUIET, **DONE, health=HealthSeen(stop="loss_limit: 50 over 10; stopping", onset=8)))
+    assert isinstance(v, HealthStop) and v.set_aside_from == 8

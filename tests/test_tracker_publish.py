@@ -23,6 +23,7 @@ def tracker(tmp_path: Path, in_flight: sync.InFlight) -> tuple[Path, CheckpointT
     rc = CheckpointTracker(recipe, "hash", out, Journal(tmp_path / "journal.sqlite"), Metrics(),
                            on_saved=lambda: None, in_flight=in_flight)
     rc.scan(0.0)
+    assert rc.wait_checks(60)   # healthy: retention counts only checkpoints whose content check passed
     return out, rc
 
 

@@ -39,11 +39,12 @@ CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # The journal's layout version (PRAGMA user_version; journals before it say 0). A journal of a higher one was
 # written by a newer release: this one cannot read it as its own.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # Columns added after a release, for journals written before them: (table, column, type).
 ADDED_COLUMNS = (("checkpoints", "saved_at", "REAL"), ("attempts", "startup_s", "REAL"), ("attempts", "save_s", "REAL"),
                  ("attempts", "save_count", "INTEGER"), ("attempts", "node", "TEXT"), ("attempts", "system", "TEXT"),
-                 ("attempts", "kind", "TEXT NOT NULL DEFAULT 'train'"))
+                 ("attempts", "kind", "TEXT NOT NULL DEFAULT 'train'"), ("checkpoints", "standing", "TEXT"),
+                 ("checkpoints", "reason", "TEXT"))
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
@@ -305,10 +306,19 @@ class Journal:
                           saved_at: float | None = None) -> None:
         """`saved_at`: when the trainer finished writing it (goodput charges the work after it when it is lost)."""
         self._write("INSERT OR REPLACE INTO checkpoints (step, path, ok, problems, loss, recipe_hash, verified_at,"
-                    " synced_at, saved_at) VALUES (?, ?, ?, ?, ?, ?, ?,"
-                    " (SELECT synced_at FROM checkpoints WHERE step = ?), ?)",
+                    " synced_at, saved_at, standing, reason) VALUES (?, ?, ?, ?, ?, ?, ?,"
+                    " (SELECT synced_at FROM checkpoints WHERE step = ?), ?,"
+                    " (SELECT standing FROM checkpoints WHERE step = ?), (SELECT reason FROM checkpoints WHERE step = ?))",
                     (step, path, int(ok), json.dumps(list(problems)), loss, recipe_hash, self.clock(), step,
-                     saved_at))
+                     saved_at, step, step))
+
+    def record_standing(self, step: int, path: str, standing: str, reason: str | None = None,
+                        saved_at: float | None = None) -> None:
+        """Records a checkpoint's standing (store/standing.py is its one owner); a step not recorded yet gets a
+        row (not ok until verified). `saved_at`: the newest file time of the save the standing is about."""
+        self._write("INSERT OR IGNORE INTO checkpoints (step, path, ok) VALUES (?, ?, 0)", (step, path))
+        self._write("UPDATE checkpoints SET standing = ?, reason = ?, path = ?,"
+                    " saved_at = COALESCE(?, saved_at) WHERE step = ?", (standing, reason, path, saved_at, step))
 
     def mark_synced(self, step: int) -> None:
         self._write("UPDATE checkpoints SET synced_at = ? WHERE step = ?", (self.clock(), step))

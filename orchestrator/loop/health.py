@@ -26,6 +26,8 @@ from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.run import RunContext
 from orchestrator.types import AttemptKind, Progress
 
+SUSPECT_KEY = "health_suspect"   # journal kv: {"from", "through"}: steps whose logged losses are no reference
+
 
 @dataclass(frozen=True)
 class HealthEvent:
@@ -46,6 +48,8 @@ class HealthSeen:
     rollback: HealthAction | None = None     # quarantine from .quarantine_from, relaunch from .relaunch_from
     resume_suspect: bool = False             # the rollback is a resume divergence's (relaunch once, then stop)
     restart: str | None = None               # health.on_slowdown = "restart": a graceful stop and a relaunch
+    onset: int | None = None                 # the earliest step a stop or rollback finding names: checkpoints
+                                             # from here on are not healthy, whatever verdict wins the pass
 
 
 class RunHealth:
@@ -54,9 +58,11 @@ class RunHealth:
         self.watch = HealthWatch(self.cfg, ctx.recipe.checkpoint.resume_loss_tolerance)
         self.throughput: ThroughputTracker | None = None   # the running training attempt's
         self.baseline_s: float | None = None    # the fastest baseline of this supervisor's attempts
-        self.suspect_from: int | None = None    # after a rollback: what was logged from here is no reference
-        self.retrying_resume = False            # the attempt relaunched after a suspect resume checkpoint
+        self.suspect_from: int | None = None    # after a set-aside: what was logged from here is no reference
+        self.retrying_resume = False            # this attempt is the relaunch after a suspect resume checkpoint
+        self.next_is_retry = False              # ... and the next one will be
         self.last_restart_at: float | None = None
+        self.suspect_through: int | None = None  # the journal's suspect steps end here (until redone)
         self.history_read = False
 
     def start(self, a: AttemptWatch) -> None:
@@ -67,9 +73,15 @@ class RunHealth:
         history = None if self.history_read else self._logged()
         self.history_read = True
         resume = a.resume
+        suspect = self.suspect_from
+        recorded = self.ctx.journal.get_all().get(SUSPECT_KEY) or {}
+        self.suspect_through = recorded.get("through")
+        if suspect is None and history is not None:  # a restarted supervisor: the set-aside its predecessor made
+            suspect = recorded.get("from")
         self.watch.attempt(resume.step if resume else None, history, resume.weights_only if resume else False,
-                           suspect_from=self.suspect_from)
+                           suspect_from=suspect)
         self.suspect_from = None
+        self.retrying_resume, self.next_is_retry = self.next_is_retry, False
         if self.throughput and self.throughput.baseline_s:
             self.baseline_s = min(self.baseline_s or self.throughput.baseline_s, self.throughput.baseline_s)
         self.throughput = ThroughputTracker(ThroughputParams.from_health(self.cfg.slowdown_ratio,
@@ -95,7 +107,7 @@ class RunHealth:
         slow = [f for p in fresh for f in tr.observe(p.step, now)]
         if tr.ratio is not None:
             self.metrics.throughput(tr.ratio)
-        events, stop, rollback, suspect, restart = [], None, None, False, None
+        events, stop, rollback, suspect, restart, onsets = [], None, None, False, None, []
         verified = self.ctx.checkpoints.good_steps() if found else []
         for f in found:
             if f.kind == RESUME_DIVERGENCE and a.resume is not None:
@@ -106,6 +118,9 @@ class RunHealth:
             else:
                 act = HealthAction("warn", f.message)
             events.append(HealthEvent(f.kind, f.message, {**f.record(), **act.record()}))
+            if act.action != "warn":
+                onsets.append(act.quarantine_from if act.quarantine_from is not None else f.first_step
+                              if f.first_step is not None else f.last_step if f.kind in DIVERGENCE_KINDS else None)
             if act.action == "stop" and stop is None:
                 stop = f"resume divergence: {act.reason}" if f.kind == RESUME_DIVERGENCE else act.reason
             elif act.action == "rollback" and rollback is None:
@@ -122,7 +137,9 @@ class RunHealth:
                     restart, self.last_restart_at = f"{s.message()}; restarting ({why})", now
             elif s.kind == THROUGHPUT_RECOVERED:
                 events.append(HealthEvent(s.kind, s.message(), s.data(), slow_span=(s.since, s.at)))
-        return HealthSeen(tuple(events), stop, rollback, suspect, restart)
+        self._forget_suspect(a)
+        return HealthSeen(tuple(events), stop, rollback, suspect, restart,
+                          min((o for o in onsets if o is not None), default=None))
 
     def record(self, seen: HealthSeen) -> None:
         """Records a pass's health events: journal (with their numbers), metrics, the `slow` goodput spans."""
@@ -134,10 +151,20 @@ class RunHealth:
             if e.slow_span:
                 self.ctx.journal.span(*e.slow_span, "slow")
 
-    def rolled_back(self, action: HealthAction, resume_suspect: bool) -> None:
-        """A rollback was carried out: the next attempt's resume check ignores the steps logged from the onset
-        on, and a resume divergence's relaunch is its one retry."""
-        self.suspect_from, self.retrying_resume = action.quarantine_from, resume_suspect
+    def set_aside_from(self, step: int, through: int | None, resume_suspect: bool = False) -> None:
+        """Checkpoints from `step` on were set aside (a rollback, a NaN, a stop): the next attempt's resume check
+        ignores what was logged from there to `through` (the last step the attempt logged; kept in the journal
+        until those steps are redone, for a restarted supervisor), and a resume divergence's relaunch is its
+        one retry."""
+        self.suspect_from = step if self.suspect_from is None else min(self.suspect_from, step)
+        self.next_is_retry = resume_suspect
+        self.ctx.journal.put(**{SUSPECT_KEY: {"from": self.suspect_from, "through": max(step, through or step)}})
+
+    def _forget_suspect(self, a: AttemptWatch) -> None:
+        """Once an attempt has redone every step a set-aside made suspect, the journal's record of it goes."""
+        if self.suspect_through is not None and a.last is not None and a.last.step > self.suspect_through:
+            self.suspect_through = None
+            self.ctx.journal.put(**{SUSPECT_KEY: None})
 
     def end(self, now: float) -> None:
         """The attempt ended: a slow spell still open is recorded as a `slow` span (once)."""

@@ -11,6 +11,7 @@ trainer in its own process group.
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from dataclasses import replace
 
 from orchestrator.config.recipe import RecipeError
@@ -29,6 +30,10 @@ from orchestrator.loop.ticker import WAIT_SLICE_S, Ticker
 from orchestrator.types import GIB, Attempt, AttemptKind, Resume, State
 
 RESTORE_REPORT_S = 30.0   # a deliberate wait reports (watchdog, spot notice, sync) at least this often
+# Before a launch, how long the resume candidate's manifest and content check are awaited: hashing runs at
+# about 1 GiB/s (bench/), so a 397B save with optimizer state is minutes; past this the launch resumes from the
+# newest healthy checkpoint instead of waiting on.
+CONTENT_CHECK_WAIT_S = 900.0
 
 
 class Launcher:
@@ -43,6 +48,8 @@ class Launcher:
         """Starts the next attempt after `before` (None: the first of this supervisor); returns the next state
         and the attempt launched (None when nothing was)."""
         r, ctx = self.recipe, self.ctx
+        if self.settle():
+            return State.STOPPED, None
         resume = self.checkpoints.resume_point()
         exporting = self.export.exporting()
         if not exporting and (over := self.export.nothing_left_to_train(resume, before)):
@@ -69,7 +76,8 @@ class Launcher:
             port = first_free_port(lo, hi, avoid={port} if port else set(), is_free=self.host.port_free)
         if port is None:
             self.journal.event("port", f"no free rendezvous port in {lo}-{hi}; retrying")
-            self.ticker.sleep(r.supervisor.wait_s)
+            with self.ticker.span("wait"):
+                self.ticker.sleep(r.supervisor.wait_s)
             return State.VERIFYING, None
         n = (before.n if before else ctx.attempts_before) + 1  # in memory: a full disk may hold the journal's rows
         if exporting:
@@ -103,6 +111,31 @@ class Launcher:
         if n > 1 and not (exporting and before and before.row.kind == AttemptKind.TRAIN):  # the export is no restart
             self.metrics.restart()
         return State.RUNNING, attempt
+
+    def settle(self) -> bool:
+        """Completes the resume candidate's standing before a launch: pending set-asides moved (no trainer runs
+        now), new checkpoints verified, and their content checks awaited for at most CONTENT_CHECK_WAIT_S (a
+        `verify` span), their findings applied. A check still running then leaves its checkpoint out of this
+        resume. Returns True when a stop cut the wait short."""
+        ckpts, stopped = self.checkpoints, False
+        self.ctx.apply_set_asides()
+        ckpts.scan(self.host.now())
+        if ckpts.pending_checks():
+            deadline = self.host.monotonic() + CONTENT_CHECK_WAIT_S
+            with self.ticker.span("verify"):
+                while (pending := ckpts.pending_checks()) and not stopped:
+                    futures.wait(pending, timeout=WAIT_SLICE_S)
+                    ckpts.apply_checks()
+                    if not ckpts.pending_checks():
+                        break
+                    if self.host.monotonic() >= deadline:
+                        self.journal.event("resume_skip", f"content checks still running after "
+                                           f"{CONTENT_CHECK_WAIT_S:.0f} s: resuming from the newest healthy "
+                                           "checkpoint", pending=len(pending))
+                        break
+                    stopped = self.ticker.sleep(WAIT_SLICE_S)
+            self.ctx.apply_set_asides()  # what the checks found
+        return stopped
 
     def _restore(self) -> Resume | None:
         """Restores the newest published checkpoint in the background; the loop waits in slices that keep the

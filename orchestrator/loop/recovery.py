@@ -5,8 +5,8 @@
     (a failure)      crashed(): classify the log unless the loop saw the cause itself, then what the machine
                      says (verdict.combine)                                   -> CRASHED
     CRASHED          policy.decide on the classified crash                    -> CLEANING
-    CLEANING         SIGTERM the group, grace, SIGKILL leftovers; a NaN quarantines the checkpoints written at
-                     or after it                                              -> WAITING | BACKOFF | GAVE_UP
+    CLEANING         SIGTERM the group, grace, SIGKILL leftovers; the set-asides the verdict requested (a NaN's:
+                     the checkpoints written at or after it) moved                                             -> WAITING | BACKOFF | GAVE_UP
     WAITING/BACKOFF  verified-ready (processes, GPU memory, NCCL segments, a port; wait_s the bound) or the
                      fixed wait; disk_full waits for space                    -> VERIFYING
 """
@@ -60,7 +60,8 @@ class Recovery:
         s = self.recipe.supervisor
         self.gpu_backoff_s = min(s.backoff_max_s, max(self.gpu_backoff_s * 2, s.force_wait_s, 1.0))
         self.journal.event("gpus_not_clear", "; ".join(problems), retry_in_s=self.gpu_backoff_s)
-        self.ticker.sleep(self.gpu_backoff_s)
+        with self.ticker.span("verify"):  # waiting for the GPUs to clear is verification time, not `other`
+            self.ticker.sleep(self.gpu_backoff_s)
         return State.VERIFYING
 
     def crashed(self, a: AttemptWatch, found: Crash | None) -> State:
@@ -106,15 +107,15 @@ class Recovery:
         return State.CLEANING
 
     def clean(self, a: AttemptWatch) -> State:
-        """CLEANING: the attempt's processes stopped and its row finished; a NaN's checkpoints quarantined."""
+        """CLEANING: the attempt's processes stopped and its row finished; what the verdict set aside (a NaN's
+        checkpoints) moved, now that no trainer writes them."""
         assert a.crash is not None and a.decision is not None
         with self.ticker.span("cleanup"):
             killed = self.host.terminate(self.ctx.run_id, {a.launched.pid}, self.recipe.supervisor.grace_s)
             if killed:
                 self.journal.event("cleanup", f"SIGKILLed {len(killed)} process(es) that ignored SIGTERM", pids=killed)
             a.finish(self.journal, self.host, a.crash)
-            if a.crash.cls is CrashClass.NAN_LOSS and a.bad_step is not None:
-                self.ctx.quarantine_nan(a.bad_step, a.n)
+            self.ctx.apply_set_asides()
         if a.decision.action is Action.GIVE_UP:
             return State.GAVE_UP
         return State.BACKOFF if a.decision.backoff_s else State.WAITING

@@ -2,8 +2,8 @@
 
     open_run   placement (drift), the run lock, the journal (a damaged one moved aside and rebuilt from the
                disk), the publish lock, the pre-flight checks, a
-               predecessor's trainers stopped, the publisher and the checkpoint tracker, a NaN quarantine the
-               predecessor left pending, the policy history and save intervals rebuilt from the journal,
+               predecessor's trainers stopped, the checkpoint standings, the publisher and the checkpoint tracker,
+               the set-asides the predecessor left pending, the policy history and save intervals rebuilt from the journal,
                metrics served, the publisher started
     close      the final sync, the last prune, the final record, locks released
 
@@ -29,8 +29,9 @@ from orchestrator.store.journal_rebuild import rebuild_journal
 from orchestrator.store.published import PublishLock
 from orchestrator.store.publisher import Publisher
 from orchestrator.store.rundir import RunLock, place, run_id, state_dir
+from orchestrator.store.standing import SetAside, Standings
 from orchestrator.store.tracker import CheckpointTracker
-from orchestrator.types import GIB, State
+from orchestrator.types import GIB, SetAsideReason, State
 
 
 @dataclass
@@ -46,6 +47,7 @@ class RunContext:
     publish_lock: PublishLock
     publisher: Publisher
     checkpoints: CheckpointTracker
+    standings: Standings            # the one owner of each checkpoint's standing (store/standing.py)
     intervals: SaveIntervals
     history: policy.History         # the crash policy's memory, rebuilt from the journal
     attempts_before: int            # attempt numbers continue the journal's
@@ -55,17 +57,31 @@ class RunContext:
     completed_before: bool          # an earlier supervisor completed this recipe: nothing to launch
     closed: bool = False
 
-    def quarantine_nan(self, nan_step: int, attempt_n: int) -> None:
-        """Quarantines the checkpoints written at or after a NaN: the local copies first (no publishing round
-        can republish one), then the published; the pending mark is cleared after both."""
-        self.quarantine(nan_step, attempt_n)
-        self.journal.put(nan_pending=None)
+    def set_aside(self, from_step: int, reason: SetAsideReason, attempt_n: int, cause: str) -> None:
+        """Sets aside the checkpoints from `from_step` on: the request durably first (their standing changes at
+        once: no round publishes them, no resume takes them), then the copies moved (apply_set_asides). Called
+        once the trainer has stopped."""
+        self.standings.request(SetAside(from_step, reason, attempt_n, cause))
+        self.apply_set_asides()
 
-    def quarantine(self, from_step: int, attempt_n: int, tag: str = "nan", cause: str = "") -> None:
-        """Moves the checkpoints from `from_step` on out of the resume path, local copies first, then published
-        ones (see CheckpointTracker.quarantine)."""
-        self.checkpoints.quarantine(from_step, attempt_n, tag, cause)
-        self.publisher.quarantine(from_step, attempt_n, tag, cause)
+    def apply_set_asides(self, busy: frozenset[str] | None = None, local: bool = True, wait_s: float = 0.0) -> bool:
+        """Moves what the pending set-aside requests still name, local copies first (no round can republish one),
+        then the published ones (the sync lock waited for at most `wait_s`: a request the lock refuses is retried
+        on a later call). `busy`: a trainer is alive, launched from these directories: a checkpoint range waits for
+        it to stop and its launch directory is never renamed; `local` False: published copies only. A request is
+        cleared when both parts are done, and a NaN's `nan_pending` with the last NaN request. Returns True when
+        no request is left."""
+        st = self.standings
+        for req in list(st.pending):
+            if local and not req.local_done and (busy is None or req.only_step):
+                self.checkpoints.set_aside_local(req, busy or frozenset())
+            now = st.current(req)
+            if now is not None and now.local_done and not now.published_done \
+                    and self.publisher.set_aside_published(now, wait_s):
+                st.progressed(now, published=True)
+        if not any(p.reason is SetAsideReason.NAN for p in st.pending) and self.journal.get_all().get("nan_pending"):
+            self.journal.put(nan_pending=None)
+        return not st.pending
 
     def release(self) -> None:
         """Closes the journal and releases the locks (the last step of close, and of a failed open)."""
@@ -102,16 +118,17 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
         _stop_predecessor(r, host, journal, run_id(out))
         # the publisher starts at the end, after any quarantine, so it never publishes a poisoned checkpoint
-        publisher = Publisher(r, hash_, journal, metrics)
-        checkpoints = CheckpointTracker(r, hash_, out, journal, metrics,
-                                        on_saved=publisher.trigger, in_flight=publisher.in_flight)
+        standings = Standings(journal)
+        publisher = Publisher(r, hash_, journal, metrics, standings)
+        checkpoints = CheckpointTracker(r, hash_, out, journal, metrics, on_saved=publisher.trigger,
+                                        in_flight=publisher.in_flight, standings=standings)
         previous = journal.get_all()
         earlier = journal.attempts()
         budget, _ = preflight.storage_budget(r)
         save_gib = sum(budget.per_save_bytes.values()) / GIB
         ctx = RunContext(
             recipe=r, out=out, state_dir=state_dir(out), run_id=run_id(out), lock=lock, journal=journal,
-            publish_lock=publish_lock, publisher=publisher, checkpoints=checkpoints,
+            publish_lock=publish_lock, publisher=publisher, checkpoints=checkpoints, standings=standings,
             intervals=SaveIntervals(r, journal, metrics, run_id(out), save_gib * GIB,
                                     (budget.step_time_s, budget.step_time_source),
                                     storage.background_bytes(r, budget.per_save_bytes)),
@@ -122,8 +139,10 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
             metrics_port=None, completed_before=(previous.get("state") == State.COMPLETED.value
                                                  and previous.get("recipe_hash") == hash_))
         pending = previous.get("nan_pending")
-        if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
-            ctx.quarantine_nan(pending["step"], pending["attempt"])
+        if pending and not standings.pending:  # an earlier release saw a NaN and was killed before its quarantine
+            standings.request(SetAside(pending["step"], SetAsideReason.NAN, pending["attempt"],
+                                       f"written at or after the NaN at step {pending['step']}"))
+        ctx.apply_set_asides()  # what a predecessor requested: its trainer is stopped now
         metrics.set_info(r.run.name, hash_, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:

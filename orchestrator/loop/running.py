@@ -5,13 +5,14 @@
                 the hang timer. Returns an Observation: a frozen value of everything a verdict depends on.
     judge(obs)  pure: the one Verdict of this pass. Its precedence is the order below, table-tested
                 (tests/test_judge.py):
-                  a NaN/Inf seen             -> Crashed (nan_loss), also when the trainer exited after it
+                  a NaN/Inf seen             -> Crashed (nan_loss), also when the trainer exited after it; it
+                                                sets aside from the NaN or the earliest health onset, if earlier
                   the export exited          -> ExportExited
+                  run health calls for a stop     -> HealthStop (also when the trainer exited, or completed: no
+                                                     relaunch into a divergence, no export past its onset)
+                  run health calls for a rollback -> RolledBack
                   every step done, the last checkpoint verified, a nonzero exit at teardown -> TrainingOver
                   every step done, exit 0    -> TrainingOver, or Crashed (other) when the last save is torn
-                  run health calls for a stop     -> HealthStop (also when the trainer exited: no relaunch
-                                                     into a divergence)
-                  run health calls for a rollback -> RolledBack
                   any other exit             -> Crashed (classify the log)
                   a stop requested           -> StopRequested
                   disk about to fill         -> Crashed (disk_full)
@@ -75,6 +76,7 @@ class Crashed:
     crash: Crash | None = None
     nan_step: int | None = None        # a NaN: recorded as pending before anything else, for a successor
     hang: bool = False                 # dump the trainer's stacks first
+    set_aside_from: int | None = None  # checkpoints from here on are set aside (the NaN, or an earlier onset)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class HealthStop:
     graceful stop, checkpoints kept, exit 3 with the reason."""
 
     reason: str
+    set_aside_from: int | None = None  # a divergence's onset: checkpoints from here on are not healthy
 
 
 @dataclass(frozen=True)
@@ -132,11 +135,18 @@ Verdict = (Keep | Crashed | TrainingOver | ExportExited | StopRequested | Resume
 
 def judge(obs: Observation) -> Verdict:
     """Returns the one verdict of a RUNNING pass; the precedence is the module docstring's table."""
+    onset = obs.health.onset
     if obs.nan_line:
-        return Crashed(Crash(CrashClass.NAN_LOSS, obs.nan_line, Phase.TRAINING), nan_step=obs.nan_step)
+        first = min((s for s in (obs.nan_step, onset) if s is not None), default=None)
+        return Crashed(Crash(CrashClass.NAN_LOSS, obs.nan_line, Phase.TRAINING), nan_step=obs.nan_step,
+                       set_aside_from=first)
+    if obs.exit is not None and obs.kind == AttemptKind.EXPORT:
+        return ExportExited()
+    if obs.health.stop:
+        return HealthStop(obs.health.stop, onset)
+    if obs.health.rollback:
+        return RolledBack(obs.health.rollback, obs.health.resume_suspect)
     if obs.exit is not None:
-        if obs.kind == AttemptKind.EXPORT:
-            return ExportExited()
         if obs.at_end and obs.exit.code != 0 and obs.last_verified:
             # every step done and the last save verified: a failure while tearing down (seen: a gloo rank's
             # "terminate called without an active exception" at exit) leaves nothing to redo
@@ -150,11 +160,6 @@ def judge(obs: Observation) -> Verdict:
                     "not complete; find why the save broke, then rerun to redo the steps after the newest "
                     "verified checkpoint",) + obs.last_torn, Phase.TRAINING))
             return TrainingOver()
-    if obs.health.stop:
-        return HealthStop(obs.health.stop)
-    if obs.health.rollback:
-        return RolledBack(obs.health.rollback, obs.health.resume_suspect)
-    if obs.exit is not None:
         return Crashed()
     if obs.stop_requested:
         return StopRequested()
@@ -188,6 +193,8 @@ class Observer:
         self._echo_progress(a, now, mono)
         disk_full = self.keep_space(a) if self.scan() else None
         self.ticker.housekeeping()
+        # a content finding's checkpoint moves now; one the trainer was launched from, or a range, once it stopped
+        self.ctx.apply_set_asides(busy=frozenset({a.resume.path} if a.resume else ()))
         exit_ = a.launched.status
         if exit_ is not None:
             fresh += self.drain(a)  # everything it wrote before exiting, however much

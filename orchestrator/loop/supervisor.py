@@ -39,9 +39,13 @@ from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, 
                                        RolledBack, SlowRestart, StopRequested, TrainingOver, judge)
 from orchestrator.loop.states import transitions_text
 from orchestrator.loop.ticker import Ticker
-from orchestrator.types import TERMINAL_STATES, TRANSITIONS, Crash, CrashClass, ExitCode, State
+from orchestrator.store.standing import SetAside
+from orchestrator.types import TERMINAL_STATES, TRANSITIONS, Crash, CrashClass, ExitCode, SetAsideReason, State
 
 __doc__ = (__doc__ or "").format(transitions=transitions_text())
+
+
+SET_ASIDE_FINAL_WAIT_S = 60.0   # at exit, how long a set-aside waits for a sync round's lock
 
 
 class TransitionError(RuntimeError):
@@ -53,7 +57,8 @@ class Parts:
 
     def __init__(self, sup: Supervisor, ctx: RunContext):
         self.ticker = Ticker(sup.host, ctx.journal, ctx.publisher, sup.metrics, sup.heartbeat, sup.spot,
-                             sup.stop_event, sup.request_stop, lambda: sup.attempt)
+                             sup.stop_event, sup.request_stop, lambda: sup.attempt,
+                             lambda: ctx.apply_set_asides(local=False))
         self.export = ExportPhase(ctx, sup.hash, sup.host)
         self.recovery = Recovery(ctx, sup.host, sup.gpus, sup.metrics, self.ticker, sup.stop_event, sup.request_stop)
         self.launcher = Launcher(ctx, sup.host, sup.gpus, sup.metrics, sup.notifier, self.ticker, self.export,
@@ -174,9 +179,13 @@ class Supervisor:
         match judge(obs):
             case Keep():
                 return State.RUNNING
-            case Crashed(crash=crash, nan_step=nan_step, hang=hang):
-                if nan_step is not None:  # survives a kill before the cleanup's quarantine
+            case Crashed(crash=crash, nan_step=nan_step, hang=hang, set_aside_from=first):
+                if nan_step is not None and first is not None:  # durable before the cleanup moves anything
                     self._ctx.journal.put(nan_pending={"attempt": a.n, "step": nan_step})
+                    cause = f"written at or after the NaN at step {nan_step}" + (
+                        f" (run health's onset at step {first})" if first < nan_step else "")
+                    self._ctx.standings.request(SetAside(first, SetAsideReason.NAN, a.n, cause))
+                    parts.health.set_aside_from(first, a.last.step if a.last else None)
                 if hang:
                     a.hang_at = self.host.now()
                     self.host.dump_stacks(a.launched.pid, self._ctx.state_dir / f"stacks-{a.n:04d}.txt")
@@ -192,16 +201,20 @@ class Supervisor:
                 return State.STOPPING
             case ResumeDiverged(detail=detail):
                 return self._give_up_on_divergence(a, detail)
-            case HealthStop(reason=reason):
+            case HealthStop(reason=reason, set_aside_from=first):
                 self._stop_attempt(a, reason)
+                if first is not None:  # kept for a person, never resumed from, published or exported
+                    self._ctx.set_aside(first, SetAsideReason.DIVERGED, a.n, f"written at or after the onset of a "
+                                        f"divergence at step {first} (the run stopped)")
                 self.exit_reason = reason
                 return State.GAVE_UP
             case RolledBack(action=action, resume_suspect=suspect):
                 self._stop_attempt(a, action.reason)
                 assert action.quarantine_from is not None
-                self._ctx.quarantine(action.quarantine_from, a.n, "suspect",
-                                     f"the onset of a divergence at step {action.quarantine_from}")
-                parts.health.rolled_back(action, suspect)
+                self._ctx.set_aside(action.quarantine_from, SetAsideReason.SUSPECT if suspect else
+                                    SetAsideReason.DIVERGED, a.n,
+                                    f"written at or after the onset of a divergence at step {action.quarantine_from}")
+                parts.health.set_aside_from(action.quarantine_from, a.last.step if a.last else None, suspect)
                 return State.VERIFYING
             case SlowRestart(reason=reason):
                 self._stop_attempt(a, reason)
@@ -259,7 +272,12 @@ class Supervisor:
         if self.state is State.GAVE_UP:
             ctx.journal.event("gave_up", self.exit_reason)
         self.notifier.stopping(f"{self.state.value}: final sync")  # disarms the watchdog for the final sync
-        ctx.checkpoints.close()  # manifests first: the final sync publishes what they describe
+        ctx.checkpoints.close()  # manifests and content checks first: the final sync publishes the healthy ones
+        alive = None if self.state in TERMINAL_STATES or a is None else frozenset(
+            {a.resume.path} if a.resume else ())   # a supervisor bug mid-attempt: its trainer may still write
+        if not ctx.apply_set_asides(busy=alive, wait_s=SET_ASIDE_FINAL_WAIT_S):  # no trainer is left: every copy may move
+            ctx.journal.event("quarantine", "set-asides still pending at exit (the sync lock stayed taken): the next "
+                              "start moves them first", pending=[p.to_json() for p in ctx.standings.pending])
         ctx.publisher.stop(final_sync=True)
         ctx.checkpoints.prune(ctx.keep_local, pressure=False, writing=False)  # what the final sync published
         parts.ticker.housekeeping(goodput_now=True)  # final goodput and sync figures

@@ -1,7 +1,7 @@
 """What the loop does on every pass whatever the state, and how it waits.
 
     housekeeping()  the per-pass housekeeping: the watchdog's heartbeat, metrics, journal writes a full disk held,
-                    the publisher's figures, the running attempt's progress and the goodput (every 10 s), a
+                    the publisher's figures, published copies a set-aside still has to move, the running attempt's progress and the goodput (every 10 s), a
                     spot interruption notice (a stop request)
     sleep(s)        a deliberate wait, interruptible by a stop, reporting meanwhile
     span(kind)      a `with` block whose time goes into the goodput account, recorded however the block ends
@@ -29,11 +29,15 @@ GOODPUT_EVERY_S = 10.0
 class Ticker:
     def __init__(self, host: Host, journal: Journal, publisher: Publisher, metrics: Metrics, heartbeat: Heartbeat,
                  spot: SpotNotice, stop_event: threading.Event, request_stop: Callable[[str], None],
-                 running_attempt: Callable[[], AttemptWatch | None]):
-        """`running_attempt`: the attempt whose live progress goes into the journal and the goodput."""
+                 running_attempt: Callable[[], AttemptWatch | None],
+                 retry_set_asides: Callable[[], object] = lambda: None):
+        """`running_attempt`: the attempt whose live progress goes into the journal and the goodput;
+        `retry_set_asides`: moves the published copies pending set-asides still name (the sync lock may have been
+        held by a round)."""
         self.host, self.journal, self.publisher, self.metrics = host, journal, publisher, metrics
         self.heartbeat, self.spot, self.stop_event, self.request_stop = heartbeat, spot, stop_event, request_stop
         self.running_attempt = running_attempt
+        self.retry_set_asides = retry_set_asides
         self.goodput_at = float("-inf")  # monotonic time of the last goodput figure
 
     def housekeeping(self, goodput_now: bool = False) -> None:
@@ -44,6 +48,7 @@ class Ticker:
         if self.journal.held and self.journal.flush():
             self.journal.event("disk_full", "journal writes held while the disk was full are recorded now")
         self.publisher.report()
+        self.retry_set_asides()
         if goodput_now or mono - self.goodput_at >= GOODPUT_EVERY_S:
             self.goodput_at = mono
             a = self.running_attempt()

@@ -5,16 +5,21 @@ Only the run's own copies count (published.published: its publish dir, its recip
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.store import checkpoints, sync
+from orchestrator.host.journal import Journal, journal_path
+from orchestrator.store.checkpoint_health import CheckpointHealth
+from orchestrator.store.standing import SetAside, Standings
 from orchestrator.store.sync_thread import SyncThread
 from orchestrator.store import manifest as mf
 from orchestrator.store.published import PublishLock, publish_dir, published
 from orchestrator.config.recipe import Recipe, RecipeError, recipe_hash, semantic_view
-from orchestrator.store.rundir import place
-from orchestrator.types import CheckpointInfo, GIB
+from orchestrator.store.rundir import place, state_dir
+from orchestrator.types import GIB, CheckpointInfo, Standing
 
 
 
@@ -38,16 +43,44 @@ def sync_recipe(r: Recipe) -> dict:
         r = r.model_copy(update={"run": r.run.model_copy(update={"output_dir": str(out.output_dir)})})
     PublishLock(r.run.persistent_dir, r.run.name, h, r.run.output_dir).check_for_sync()
     args = _sync_args(r, h)
-    res = sync.sync_once(**args)
+    res = sync.sync_once(**args, gate=_offline_gate(Path(r.run.output_dir)))
     return {"copied": len(res.copied), "names": list(res.copied), "bytes": res.bytes_copied,
             "skipped": list(res.skipped), "problems": list(res.problems), "deleted": list(res.deleted),
             "newest_published": res.newest_published, "synced": res.synced,
             "output_dir": str(r.run.output_dir), "destination": str(args["persistent_dir"])}
 
 
+def _offline_gate(out: Path) -> Callable[[int, str], str | None]:
+    """`sync --once`'s gate: the standing the run's journal records; a checkpoint it has not judged (no supervisor
+    checked it yet) is content-checked here, before it is published."""
+    try:
+        journal: Journal | None = Journal(journal_path(state_dir(out)), readonly=True)
+    except (OSError, sqlite3.Error):
+        journal = None
+    try:
+        standings = Standings(journal)
+    except sqlite3.Error:
+        standings = Standings(None)
+    finally:
+        if journal is not None:
+            journal.db.close()
+    health = CheckpointHealth(out)
+
+    def gate(step: int, path: str) -> str | None:
+        e = standings.of(step)
+        if e is not None and e.path == path and e.standing not in (Standing.WRITTEN, Standing.VERIFIED):
+            return standings.publish_refusal(step, path)
+        found = health.check(path, step)
+        return None if found is None else found.problems[0]
+    return gate
+
+
 class Publisher:
-    def __init__(self, recipe: Recipe, h: str, journal, metrics):
+    def __init__(self, recipe: Recipe, h: str, journal, metrics, standings: Standings | None = None):
+        """`standings`: the owner of each checkpoint's standing; a round publishes only what it calls usable."""
         self.recipe, self.hash, self.journal, self.metrics = recipe, h, journal, metrics
+        self.standings = standings if standings is not None else Standings(journal)
+        self.lock_waits: list[SetAside] = []   # set-asides said to wait for the sync lock (said once each)
         self.thread: SyncThread | None = None
         self.in_flight = sync.InFlight()  # shared with local retention (CheckpointTracker.prune)
         self.problems: list[str] = []
@@ -64,7 +97,8 @@ class Publisher:
             self.metrics.publish_interval(c.publish_interval_s)
             self.thread = SyncThread(a.pop("output_dir"), a.pop("persistent_dir"), a.pop("backend"), a.pop("recipe_hash"),
                                      interval_s=c.sync_interval_s, publish_interval_s=c.publish_interval_s,
-                                     on_problem=self.problems.append, in_flight=self.in_flight, **a)
+                                     on_problem=self.problems.append, in_flight=self.in_flight,
+                                     gate=self.standings.publish_refusal, **a)
             self.thread.start()
 
     def trigger(self) -> None:
@@ -94,6 +128,13 @@ class Publisher:
             if c["ok"] and c["synced_at"] is None and c["step"] in mine:
                 self.journal.mark_synced(c["step"])
                 self.journal.event("synced", f"published checkpoint-{c['step']} to {mine[c['step']].dir}")
+        for step in self.standings.steps(Standing.HEALTHY):  # healthy -> published once its very save is there
+            e = self.standings.of(step)
+            if e is None or step not in mine or (local := mf.read_manifest(e.path)) is None:
+                continue
+            pub = mine[step].manifest
+            if sync.same_content(sync.filter_manifest(local, tuple(pub.get("excluded", ()))), pub):
+                self.standings.move(step, e.path, Standing.PUBLISHED)
         # merged copies (published in a later round than their checkpoint for merge = "final"): local
         # retention deletes a local merged copy only once its step is listed here
         merged = {c.step: c for c in copies if c.merged}
@@ -146,34 +187,47 @@ class Publisher:
             self.journal.event(kind, message, **data)
         return self.restore_result
 
-    def quarantine(self, nan_step: int, attempt_n: int, tag: str = "nan", cause: str = "") -> list[str]:
-        """Published copies of this run from the NaN step (or a divergence's onset, tag "suspect") on may hold
-        poisoned weights (published before it was seen): renamed out of the published names under the sync
-        lock, so no restore takes them and no round re-lists them; the data stays for a person. Returns the
-        names moved."""
+    def set_aside_published(self, req: SetAside, wait_s: float = 0.0) -> bool:
+        """Renames the run's published copies `req` covers (from_step through through_step, or that one step) out
+        of the published names, under the sync lock (at most `wait_s` for it), so no restore takes them and no
+        round re-lists them; the data stays for a person. Returns True when none is left to move; False when the
+        lock is held by a round (the request is retried on a later pass)."""
         if not self.enabled:
-            return []
+            return True
         r = self.recipe.run
         try:
-            fd = sync.open_lock(publish_dir(r.persistent_dir, r.name, self.hash), wait_s=60)
+            fd = sync.open_lock(publish_dir(r.persistent_dir, r.name, self.hash), wait_s=wait_s)
+        except BlockingIOError:
+            if req not in self.lock_waits:
+                self.lock_waits.append(req)
+                self.journal.event("quarantine", f"published copies from checkpoint-{req.from_step} wait for the sync "
+                                   "lock to be set aside (retried every pass)", step=req.from_step)
+            return False
         except OSError as e:
-            self.journal.event("quarantine", f"published copies from step {nan_step} not quarantined: {e}")
-            return []
-        moved = []
+            self.journal.event("quarantine", f"published copies from checkpoint-{req.from_step}: {e}; retried")
+            return False
+        moved, left = [], False
         try:
             for c in self._published():
-                if c.step >= nan_step:
-                    c.path.rename(checkpoints.quarantine_name(c.path, attempt_n, tag))
-                    moved.append(c.name)
+                if req.covers(c.step):
+                    tag = req.reason.tag
+                    target = (c.path.with_name(f"{c.path.name}.{tag}") if req.only_step
+                              else checkpoints.quarantine_name(c.path, req.attempt, tag))
+                    try:
+                        c.path.rename(target)
+                        moved.append(c.name)
+                    except OSError as e:
+                        left = True
+                        self.journal.event("quarantine", f"published {c.name}: {e}; retried")
         except OSError as e:
-            self.journal.event("quarantine", f"published copies from step {nan_step}: {e}")
+            left = True
+            self.journal.event("quarantine", f"published copies from checkpoint-{req.from_step}: {e}; retried")
         finally:
             os.close(fd)
         if moved:
-            self.journal.event("quarantine", f"published {', '.join(moved)} written at or after "
-                               f"{cause or f'the NaN at step {nan_step}'}: renamed *.{tag}-attempt-{attempt_n}, "
-                               "never restored from")
-        return moved
+            self.journal.event("quarantine", f"published {', '.join(moved)}: {req.cause}: renamed *.{req.reason.tag}"
+                               + ("" if req.only_step else f"-attempt-{req.attempt}") + ", never restored from")
+        return not left
 
     def _restore_newest(self, notes: list) -> CheckpointInfo | None:
         """Newest published checkpoint of this run (its publish dir, else the flat layout of an earlier

@@ -35,6 +35,7 @@ LOCK = ".orchestrator-sync.lock"
 PARTIAL = ".partial-"
 MCORE_SHARDS = "iter_*/*.distcp"      # optimizer + mcore adapter shards; common.pt stays (resume reads it)
 CANCELLED = "cancelled"
+REFUSED = "refused: "                 # the gate refused a copy made meanwhile (a finding during the copy)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,9 @@ def _publish(src: Path, persistent: Path, manifest: dict, link_dest: Path | None
         gone = " (deleted locally during the copy: save_total_limit rotation?)" if not src.exists() else ""
         return 0, f"copying {name} to {persistent} failed{gone}: {e}"
     bad = _check_copy(staging, manifest, digests)
+    if not bad and opts.get("refuse") is not None and (why := opts["refuse"]()):
+        shutil.rmtree(staging, ignore_errors=True)  # set aside while it was being copied: never takes its name
+        return n, REFUSED + why
     if bad:
         shutil.rmtree(staging, ignore_errors=True)
         if link_dest is not None:  # a quick-check false match against the previous copy: copy it all
@@ -224,9 +228,12 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
               recipe_hash: str | None, keep: int = 3, include_mcore: bool = True, include_merged: bool = True,
               on_problem: Callable[[str], None] | None = None, *, bwlimit_kib: int | None = None,
               margin_bytes: int = 256 << 20, cancel: threading.Event | None = None,
-              lock_wait_s: float = 0.0, in_flight: InFlight | None = None) -> SyncResult:
+              lock_wait_s: float = 0.0, in_flight: InFlight | None = None,
+              gate: Callable[[int, str], str | None] | None = None) -> SyncResult:
     """Publish the newest verified local checkpoint (and its merged copy); prune old published ones.
-    `in_flight`: shared with local retention, which never deletes the checkpoint being copied."""
+    `in_flight`: shared with local retention, which never deletes the checkpoint being copied. `gate`: why a
+    checkpoint (step, path) may not be published (its standing, store/standing.py), None when it may; asked
+    before the copy and again before the copy takes its name."""
     t0, out, persistent = time.monotonic(), Path(output_dir), Path(persistent_dir)
     try:
         lock_fd = open_lock(persistent, lock_wait_s)
@@ -244,6 +251,9 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
         problems += [f"local {p}" for i in infos if i.complete and not i.ok for p in i.problems]
         skipped += [f"{Path(i.path).name}: still being written" for i in infos if not i.complete]
         local = {i.step: i for i in infos if i.ok}
+        refused = {s: why for s, i in local.items() if gate is not None and (why := gate(s, i.path))}
+        local = {s: i for s, i in local.items() if s not in refused}
+        skipped += [why for s, why in sorted(refused.items()) if s > max(local, default=-1)]
         everything = _published(persistent)
         pub = {n: m for n, m in everything.items() if owned(m, recipe_hash)}
         foreign = {n: m for n, m in everything.items() if n not in pub}
@@ -267,6 +277,7 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                 mv = ck.verify(local[s].merged_path, backend=backend)
                 dirs += [Path(mv.path)] if mv.ok else []
                 problems += [f"local {p}" for p in mv.problems] if mv.complete else []
+            opts["refuse"] = (lambda s=s: gate(s, local[s].path)) if gate is not None else None
             for src in dirs:
                 try:
                     m = filter_manifest(_local_manifest(src, s, recipe_hash, local[s].loss), opts["excludes"])
@@ -290,6 +301,8 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                 nbytes += n
                 if why == CANCELLED:
                     skipped.append(f"{src.name}: cancelled by stop()")
+                elif why and why.startswith(REFUSED):
+                    skipped.append(why.removeprefix(REFUSED))
                 elif why:
                     problems.append(why)
                 else:

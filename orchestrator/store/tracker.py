@@ -1,36 +1,43 @@
 """The run's checkpoints as the supervisor tracks them: each verified once as it appears (the checkpoint_invalid
-alert raised at once when bad, cleared when a newer one verifies ok), manifests hashed off the loop, NaN-poisoned
-ones quarantined, stale or non-finite ones (store/checkpoint_health.py, checked after the manifest on the same
-thread) moved out of the resume path, and the resume point chosen."""
+alert raised at once when bad, cleared when a newer one verifies ok), its manifest hashed and its content checked
+off the loop (store/checkpoint_health.py: stale or non-finite weights), its standing moved through the one owner
+(store/standing.py: written -> verified -> healthy, or set aside), the local copies of set-aside requests moved,
+and the resume point chosen among the healthy ones only."""
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.store import checkpoint_health, checkpoints, manifest
 from orchestrator.domain import retention
 from orchestrator.store.checkpoints import step_of
+from orchestrator.store.standing import SetAside, Standings
 from orchestrator.host.journal import Journal
 from orchestrator.host.metrics import Metrics
 from orchestrator.config.recipe import Recipe
 from orchestrator.store.sync import InFlight
-from orchestrator.types import Alert, CheckpointInfo, Resume
+from orchestrator.types import USABLE, Alert, CheckpointInfo, Resume, SetAsideReason, Standing
 
 
 PRUNING = ".orchestrator-pruning-"   # a checkpoint being deleted by retention
+FINDING_REASON = {checkpoint_health.CHECKPOINT_NONFINITE: SetAsideReason.NONFINITE,
+                  checkpoint_health.CHECKPOINT_UNCHANGED: SetAsideReason.UNCHANGED}
 
 
 class CheckpointTracker:
     def __init__(self, recipe: Recipe, recipe_hash: str, out: Path, journal: Journal, metrics: Metrics,
-                 on_saved: Callable[[], None], in_flight: InFlight | None = None):
-        """`on_saved`: a verified checkpoint (and its manifest) is ready to sync. `in_flight`: the checkpoint
-        the publisher is copying, never pruned."""
+                 on_saved: Callable[[], None], in_flight: InFlight | None = None, standings: Standings | None = None):
+        """`on_saved`: a healthy checkpoint is ready to publish. `in_flight`: the checkpoint the publisher is
+        copying, never pruned or moved. `standings`: the owner of each checkpoint's standing (the run's)."""
         self.recipe, self.hash, self.out = recipe, recipe_hash, out
         self.in_flight = in_flight or InFlight()
         self.journal, self.metrics, self.on_saved = journal, metrics, on_saved
+        self.standings = standings if standings is not None else Standings(journal)
         self.seen: dict[str, bool] = {}  # path -> verified ok; complete checkpoints are verified once
         self.stale: dict[str, float | None] = {}  # path -> marker mtime: the old save a relaunch will rewrite
         self.unhashed: dict[str, tuple[int, float | None]] = {}  # manifests that failed: path -> (step, loss)
@@ -42,11 +49,17 @@ class CheckpointTracker:
         self.expect = checkpoints.LoraExpect(lora.rank, lora.alpha, tuple(lora.target_modules))
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
         self.health = checkpoint_health.CheckpointHealth(out)
+        self.checks: dict[str, Future] = {}   # path -> its manifest + content check, submitted, not applied yet
+        self.checked: list[tuple[str, int, float | None, object]] = []  # (path, step, saved_at, finding or error)
+        self.checked_lock = threading.Lock()
         for left in out.glob(f"{PRUNING}*"):  # a supervisor killed mid-delete: finish what it had decided
             shutil.rmtree(left, ignore_errors=True)
 
     def scan(self, now: float) -> None:
-        self.apply_health()
+        """Applies finished content checks, then verifies each new complete checkpoint and moves its standing:
+        a save the journal already judged (same directory, same newest file time) keeps its standing; a new
+        one is written -> verified (its manifest and content check submitted) or invalid."""
+        self.apply_checks()
         unchanged = {p for p, m in self.stale.items() if _marker_mtime(Path(p)) == m}
         for info in checkpoints.discover(self.out, self.recipe.run.backend, self.expect, skip=self.seen.keys() | unchanged):
             if not info.complete:
@@ -57,78 +70,126 @@ class CheckpointTracker:
             self._verdict(info.step, info.ok, tuple(info.problems))
             saved = _mtime(info.path, now)
             self.journal.record_checkpoint(info.step, info.path, info.ok, info.problems, info.loss, self.hash, saved)
+            known = self.standings.of(info.step)
+            if known is not None and known.path == info.path and known.saved_at == saved \
+                    and known.standing in USABLE | {Standing.SET_ASIDE}:
+                if known.standing in USABLE and info.ok:  # judged by an earlier supervisor: its standing says so
+                    self.metrics.checkpoint_saved(info.step, saved)
+                    self.on_saved()
+                continue
+            self.standings.move(info.step, info.path, Standing.WRITTEN, saved_at=saved)
+            if (req := self.standings.covering(info.step)) is not None:  # the save on the way out of a NaN, say
+                self.standings.move(info.step, info.path, Standing.SET_ASIDE, req.reason)
+                continue
             if info.ok:
+                self.standings.move(info.step, info.path, Standing.VERIFIED)
                 self.metrics.checkpoint_saved(info.step, saved)
                 self.journal.event("checkpoint", f"verified {Path(info.path).name}")
-                if manifest.read_manifest(info.path) is None:
-                    self._hash(info.path, info.step, info.loss)
-                else:  # hashed and health-checked by an earlier supervisor (the same job writes both)
-                    self.on_saved()
+                self._check(info.path, info.step, info.loss, saved)
             else:
+                self.standings.move(info.step, info.path, Standing.INVALID)
                 self.metrics.checkpoint_invalid()
                 self.journal.event("checkpoint_invalid", f"{Path(info.path).name}: " + "; ".join(info.problems))
 
-    def _hash(self, path: str, step: int, loss: float | None) -> None:
-        """The manifest, off the loop (hashing a large checkpoint takes minutes). One that fails (a full
-        disk refuses even a small JSON) is retried by retry_manifests(), never left out for good."""
-        def job() -> None:
-            manifest.write_manifest(path, step, self.hash, loss)
-            self._check_health(path, step)
+    def _check(self, path: str, step: int, loss: float | None, saved: float | None) -> None:
+        """The manifest (unless a current one is there) and the content check, off the loop: hashing a large
+        checkpoint takes minutes. A manifest that fails (a full disk refuses even a small JSON) is retried by
+        retry_manifests(); the content check always runs: a manifest proves bytes, not health."""
+        def job() -> object:
+            m = manifest.read_manifest(path)
+            if m is None or manifest.manifest_stale(path, m):
+                manifest.write_manifest(path, step, self.hash, loss)
+            try:
+                return self.health.check(path, step)
+            except Exception as e:  # a bug in a check must not cost the run: said, and the checkpoint stays usable
+                return RuntimeError(f"content check failed: {type(e).__name__}: {e}")
 
-        def done(f) -> None:
-            if f.exception() is not None:
-                self.unhashed[path] = (step, loss)
-            self._saved_unless_unhealthy(path)
+        def done(f: Future) -> None:
+            err = f.exception()
+            with self.checked_lock:
+                self.checked.append((path, step, saved, err if err is not None else f.result()))
         self.unhashed.pop(path, None)
-        self.hasher.submit(job).add_done_callback(done)
+        fut = self.hasher.submit(job)
+        self.checks[path] = fut
+        fut.add_done_callback(done)
 
-    def _check_health(self, path: str, step: int) -> None:
-        """checkpoint_health's checks, on the manifest thread; what they find waits for apply_health()."""
-        try:
-            self.health.check(path, step)
-        except Exception:  # a bug in a check must not cost the manifest or the run: the checkpoint stays usable
-            pass
+    def pending_checks(self) -> list[Future]:
+        """The content checks submitted and not applied yet (the relaunch awaits them, bounded)."""
+        return list(self.checks.values())
 
-    def _saved_unless_unhealthy(self, path: str) -> None:
-        """Wake the publisher, unless the checkpoint was just found unhealthy (it is about to be moved)."""
-        if not any(f.path == path for f in self.health.peek()):
+    def wait_checks(self, timeout_s: float | None = None) -> bool:
+        """Waits for the submitted content checks (at most `timeout_s`) and applies them; True when none is left."""
+        futures.wait(self.pending_checks(), timeout=timeout_s)
+        self.apply_checks()
+        return not self.checks
+
+    def apply_checks(self) -> None:
+        """Moves each checked checkpoint's standing (the loop's thread): healthy (and the publisher woken), or,
+        for a finding (checkpoint_unchanged, checkpoint_nonfinite), set aside by a durable request, recorded not
+        ok, the checkpoint_invalid alert raised when it is the newest, the event journaled with its numbers. A
+        check about a save that has since been replaced or set aside changes nothing."""
+        with self.checked_lock:
+            done, self.checked = self.checked, []
+        self.health.take()  # its findings come back through `done`
+        for path, step, saved, result in done:
+            self.checks.pop(path, None)
+            e = self.standings.of(step)
+            if e is None or e.path != path or e.saved_at != saved or e.standing is not Standing.VERIFIED:
+                continue
+            if isinstance(result, OSError):   # the manifest failed: retried, the standing waits
+                self.unhashed[path] = (step, None)
+                continue
+            if isinstance(result, checkpoint_health.HealthFinding):
+                self._found(result)
+                continue
+            if isinstance(result, BaseException):
+                self.journal.event("checkpoint_check_failed", f"{Path(path).name}: {result}; kept as healthy")
+            self.standings.move(step, path, Standing.HEALTHY)
             self.on_saved()
 
-    def apply_health(self) -> None:
-        """Each checkpoint the health checks found stale (checkpoint_unchanged) or non-finite
-        (checkpoint_nonfinite): moved out of the checkpoint-N namespace (so no resume, retention or
-        publication takes it; the bytes stay for a person), recorded not ok, the checkpoint_invalid alert
-        raised when it is the newest, and the event journaled with its numbers. One the publisher is copying
-        right now waits for the next pass."""
-        later = []
-        for f in self.health.take():
-            d = Path(f.path)
+    def _found(self, f: checkpoint_health.HealthFinding) -> None:
+        """A content finding: the checkpoint is set aside (standing first, then its copies), said with its numbers."""
+        reason = FINDING_REASON[f.kind]
+        self.standings.request(SetAside(f.step, reason, 0, f.problems[0], only_step=True))
+        self.seen.pop(f.path, None)
+        self.journal.record_checkpoint(f.step, f.path, False, f.problems, None, self.hash)
+        self._verdict(f.step, False, f.problems)
+        self.metrics.checkpoint_invalid()
+        self.journal.event(f.kind, f"{f.problems[0]}; set aside as {Path(f.path).name}.{reason.tag}", **f.data)
+        self.metrics.health_event(f.kind)
+
+    def set_aside_local(self, req: SetAside, busy: frozenset[str] = frozenset()) -> bool:
+        """Moves the local checkpoints (and merged copies) `req` covers out of the checkpoint-N namespace, keeping
+        the data for a person; one the publisher is copying, or one a live trainer was launched from (`busy`),
+        waits. Returns True when every one has moved (the request's local part is then done)."""
+        waiting, top = False, req.from_step
+        for d in sorted(self.out.glob("checkpoint-*")):
+            ckpt = checkpoints.CKPT_RE.fullmatch(d.name)
+            if not (ckpt or checkpoints.MERGED_RE.fullmatch(d.name)) or not req.covers(s := step_of(d)):
+                continue
+            top = max(top, s)
             with self.in_flight.lock:
-                if self.in_flight.path == f.path:
-                    later.append(f)
+                if str(d) in busy or self.in_flight.path in (str(d), str(d).removesuffix("-merged")):
+                    waiting = True
                     continue
-                if not d.is_dir():  # pruned or quarantined meanwhile
-                    continue
-                target = checkpoint_health.unhealthy_name(d, f.kind)
+                target = (checkpoint_health.unhealthy_name(d, req.reason.tag) if req.only_step
+                          else checkpoints.quarantine_name(d, req.attempt, req.reason.tag))
                 d.rename(target)
-            merged = d.with_name(checkpoints.merged_name(d.name))
-            if merged.is_dir():
-                merged.rename(checkpoint_health.unhealthy_name(merged, f.kind))
-            self.seen.pop(f.path, None)
-            self.journal.record_checkpoint(f.step, f.path, False, f.problems, None, self.hash)
-            self._verdict(f.step, False, f.problems)
-            self.metrics.checkpoint_invalid()
-            self.journal.event(f.kind, f"{f.problems[0]}; moved to {target.name}", **f.data)
-            self.metrics.health_event(f.kind)
-            link = self.out / "last-checkpoint"
-            if os.path.islink(link) and os.readlink(link).rstrip("/").endswith(d.name):
-                self._repoint_last_checkpoint(f.step)
-        self.health.keep(later)
+            self.seen.pop(str(d), None)
+            if ckpt:
+                self.standings.set_aside_known(s, str(d), req.reason)
+            self.journal.event("quarantine", f"{d.name}: {req.cause}: moved to {target.name}, never resumed from",
+                               reason=req.reason.value, step=s)
+        if waiting:
+            return False
+        self._repoint_last_checkpoint(req.from_step, only=req.from_step if req.only_step else None)
+        self.standings.progressed(req, local_through=top)
+        return True
 
     def retry_manifests(self) -> None:
         for path, (step, loss) in list(self.unhashed.items()):
             if os.path.isdir(path):
-                self._hash(path, step, loss)
+                self._check(path, step, loss, (e := self.standings.of(step)) and e.saved_at)
             else:
                 self.unhashed.pop(path)
 
@@ -148,13 +209,15 @@ class CheckpointTracker:
         return self.newest_problems if self.newest_verdict == (step, False) else ()
 
     def newest_good_step(self, through: int | None = None) -> int:
-        """The newest verified step (no later than `through`), -1 if none."""
-        steps = (step_of(p) for p, ok in self.seen.items() if ok)
-        return max((s for s in steps if through is None or s <= through), default=-1)
+        """The newest good step (no later than `through`; see good_steps), -1 if none."""
+        return max((s for s in self.good_steps() if through is None or s <= through), default=-1)
 
     def good_steps(self) -> list[int]:
-        """Every verified step, oldest first (where a rollback can go)."""
-        return sorted(step_of(p) for p, ok in self.seen.items() if ok)
+        """Every step verified and not set aside (healthy, or its content check still running), oldest first:
+        where a rollback can go; the relaunch then takes the newest healthy one (resume_point)."""
+        return sorted(s for p, ok in self.seen.items() if ok and (s := step_of(p)) is not None
+                      and (e := self.standings.of(s)) is not None and e.path == p
+                      and e.standing in USABLE | {Standing.VERIFIED})
 
     def forget_after(self, step: int) -> None:
         """A new attempt rewrites every checkpoint after its resume point, in place: until a rewrite's
@@ -165,10 +228,16 @@ class CheckpointTracker:
                       if checkpoints.CKPT_RE.fullmatch(d.name) and step_of(str(d)) > step}
 
     def resume_point(self) -> Resume | None:
+        """The newest checkpoint that verifies, was written by this recipe and stands healthy (or published);
+        each newer one passed over is journaled (resume_skip) with why."""
         best = None
         for info in checkpoints.scan(self.out, self.recipe.run.backend, self.expect, newest_first=True):
             best, passed = checkpoints.pick_resume([info], {info.path: manifest.read_manifest(info.path)},
                                                    self.hash, require_manifest=False)
+            if best is not None and not self.standings.usable(info.step, info.path):
+                e = self.standings.of(info.step)
+                passed, best = [f"{Path(info.path).name}: standing {e.standing.value if e else 'unknown'}: "
+                                "not health-checked as healthy"], None
             for why in passed:
                 self.journal.event("resume_skip", why)
             if best is not None:  # newest first: stop at the first acceptable one
@@ -186,8 +255,8 @@ class CheckpointTracker:
         poisoned weights, so it neither counts among the newest kept nor supersedes anything yet.
         Returns how many were deleted."""
         kv = self.journal.get_all()
-        if (kv.get("nan_pending") or {}).get("step") is not None:  # a NaN seen, not yet quarantined: keep all
-            return 0
+        if (kv.get("nan_pending") or {}).get("step") is not None or any(not p.local_done for p in self.standings.pending):
+            return 0  # a NaN seen or checkpoints to set aside, not moved yet: keep all
         synced = {c["step"] for c in self.journal.checkpoints() if c["ok"] and c["synced_at"]}
         merged_synced = set(kv.get("merged_synced") or ())  # publisher.report keeps it
         newest = self.newest_good_step(trusted_through)
@@ -196,7 +265,7 @@ class CheckpointTracker:
         doomed = []
         with self.in_flight.lock:  # decided and renamed before the publisher can take one of them
             # the publisher copies only the newest: an older unpublished one never will be (superseded)
-            local = [retention.Local(s, p, True, ok and s <= newest, s in synced, p + "-merged" if
+            local = [retention.Local(s, p, True, self.standings.usable(s, p) and s <= newest, s in synced, p + "-merged" if
                                      os.path.isdir(p + "-merged") else None, s < newest, merged_published=s in merged_synced)
                      for p, ok in self.seen.items()
                      if p != self.in_flight.path and os.path.isdir(p) and (s := step_of(p)) is not None]
@@ -241,26 +310,13 @@ class CheckpointTracker:
         manifest.fsync_dir(self.out)
         return final, ()
 
-    def quarantine(self, from_step: int, attempt_n: int, tag: str = "nan", cause: str = "") -> None:
-        """Checkpoints from `from_step` on (the NaN's step, a save on the SIGTERM that stopped the attempt, say;
-        or, tag "suspect", the onset of a divergence) may hold poisoned weights: move them out of the resume
-        path, keeping the data for a person. `cause` says what they were written at or after."""
-        for d in sorted(self.out.glob("checkpoint-*")):
-            m = checkpoints.CKPT_RE.fullmatch(d.name) or checkpoints.MERGED_RE.fullmatch(d.name)
-            if m and step_of(d) >= from_step:
-                target = checkpoints.quarantine_name(d, attempt_n, tag)
-                d.rename(target)
-                self.seen.pop(str(d), None)
-                self.journal.event("quarantine", f"{d.name} was written at or after {cause or f'the NaN at step {from_step}'}: "
-                                   f"moved to {target.name}, never resumed from")
-        self._repoint_last_checkpoint(from_step)
-
-    def _repoint_last_checkpoint(self, below: int) -> None:
-        """ms-swift's last-checkpoint must not name a quarantined step: the relaunch writes a new,
-        maybe unfinished, directory of that name, which the stale link would vouch for."""
+    def _repoint_last_checkpoint(self, below: int, only: int | None = None) -> None:
+        """ms-swift's last-checkpoint must not name a set-aside step (from `below` on; `only`: that step alone):
+        the relaunch writes a new, maybe unfinished, directory of that name, which the stale link would vouch for."""
         link = self.out / "last-checkpoint"
         try:
-            if step_of(os.readlink(link)) < below:
+            named = step_of(os.readlink(link))
+            if named < below or (only is not None and named != only):
                 return
         except (OSError, ValueError, IndexError):
             return
@@ -275,8 +331,11 @@ class CheckpointTracker:
             link.unlink()
 
     def close(self) -> None:
-        self.hasher.shutdown(wait=True)  # manifests first: the final sync publishes what they describe
-        self.apply_health()
+        self.hasher.shutdown(wait=True)  # manifests and checks first: the final sync publishes the healthy ones
+        self.apply_checks()
+        for req in list(self.standings.pending):  # no trainer is left to write them: the local copies move
+            if not req.local_done:
+                self.set_aside_local(req)
 
 
 def _mtime(path: str, default: float) -> float:
