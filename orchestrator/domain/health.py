@@ -150,11 +150,15 @@ class LossHealth:
                         for k in (LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE, LOSS_LIMIT, GRAD_NORM_LIMIT)}
 
     def replay(self, records: Iterable[Progress]) -> None:
-        """Start over from `records` (the run up to a resume point) without reporting what they show: a condition
-        still on at the resume point was reported then and is not reported again."""
+        """Start over from `records` (the run up to a resume point) without reporting what they show. A warning
+        still on at the resume point was reported then and is not reported again; a condition the loop acts on
+        (DIVERGENCE_KINDS) is found again if it persists: it is derived from the data, not remembered."""
         self.reset()
         for p in records:
             self.observe(p)
+        c = self.cfg
+        for kind in DIVERGENCE_KINDS:
+            self.latches[kind] = _Latch(max(c.spike_window, c.divergence_window))
 
     def observe(self, p: Progress) -> list[Finding]:
         """The findings one new step record brings; a step at or before the last one observed is ignored

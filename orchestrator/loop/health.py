@@ -24,7 +24,7 @@ from orchestrator.host.base import Host
 from orchestrator.host.metrics import Metrics
 from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.run import RunContext
-from orchestrator.types import AttemptKind, Progress
+from orchestrator.types import Alert, AttemptKind, Progress
 
 SUSPECT_KEY = "health_suspect"   # journal kv: {"from", "through"}: steps whose logged losses are no reference
 
@@ -167,9 +167,11 @@ class RunHealth:
             self.ctx.journal.put(**{SUSPECT_KEY: None})
 
     def end(self, now: float) -> None:
-        """The attempt ended: a slow spell still open is recorded as a `slow` span (once)."""
+        """The attempt ended: a slow spell still open is recorded as a `slow` span (once), its throughput_drop
+        alert cleared."""
         if self.throughput and (spell := self.throughput.close_spell(now)):
             self.ctx.journal.span(*spell, "slow")
+        self.metrics.alert(Alert.THROUGHPUT_DROP, False)  # judged against the attempt's own baseline: it ends here
 
     def _logged(self) -> list[Progress]:
         """The run's step records so far, from its logging.jsonl (a supervisor restarted mid-run)."""

@@ -134,7 +134,7 @@ class Launcher:
                                            "checkpoint", pending=len(pending))
                         break
                     stopped = self.ticker.sleep(WAIT_SLICE_S)
-            self.ctx.apply_set_asides()  # what the checks found
+        self.ctx.apply_set_asides()  # what the checks found
         return stopped
 
     def _restore(self) -> Resume | None:

@@ -125,13 +125,23 @@ class Supervisor:
         if state is not self.state:
             journal.event("state", f"{self.state.value} -> {state.value}")
         if self.state is State.RUNNING and state is not State.RUNNING:  # the attempt ends (or is being ended)
-            self._parts.health.end(self.host.now())
+            self._end_attempt()
         self.state = state
         self.metrics.set_state(state)
         step = self.attempt.last.step if self.attempt and self.attempt.last else None
         journal.put(state=state.value, updated_at=self.host.now(), attempt=self.attempt.n if self.attempt else 0,
                     **({"step": step} if step is not None else {}))  # keep the last step across a relaunch
         self.notifier.status(f"{state.value}" + (f" step {step}" if step is not None else ""))
+
+    def _begin_attempt(self, a: AttemptWatch) -> None:
+        """Starts everything that belongs to one attempt, in one place (supervisord's spawn()): run health's
+        detectors and throughput tracker for it, the GPU backoff from zero."""
+        self._parts.health.start(a)
+        self._parts.recovery.gpu_backoff_s = 0.0
+
+    def _end_attempt(self) -> None:
+        """Ends what belongs to the attempt leaving RUNNING: its open slow spell, its throughput_drop alert."""
+        self._parts.health.end(self.host.now())
 
     @property
     def _ctx(self) -> RunContext:
@@ -167,7 +177,7 @@ class Supervisor:
         state, launched = launcher.launch(self.attempt)
         if launched:
             self.attempt = launched
-            self._parts.health.start(launched)
+            self._begin_attempt(launched)
         self.exit_reason = launcher.exit_reason or self.exit_reason
         return state
 
