@@ -95,6 +95,7 @@ class Progress:
     lr: float | None = None
     memory_gib: float | None = None
     step_s: float | None = None      # train_speed(s/it)
+    skipped: int | None = None       # updates the trainer says it skipped (Megatron's `number of skipped iterations`)
 
 
 @dataclass(frozen=True)

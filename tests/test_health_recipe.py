@@ -15,6 +15,7 @@ def test_defaults_are_the_documented_ones():
     assert (h.spike_window, h.spike_mads, h.spike_min_ratio, h.grad_norm_spike_min_ratio) == (20, 10.0, 3.0, 10.0)
     assert (h.divergence_window, h.divergence_tolerance, h.divergence_min_rise, h.grad_norm_rise) == (20, 0.5, 0.1, 1.0)
     assert (h.resume_window, h.resume_level_tolerance, h.unreadable_lines) == (10, 0.5, 3)
+    assert h.max_skipped_steps == 50
 
 
 def test_a_recipe_without_the_section_gets_the_defaults(write_recipe):
@@ -39,6 +40,7 @@ def test_the_section_is_read(write_recipe):
     ("health.spike_window=2", "health.spike_window", "greater than or equal to 5"),
     ("health.divergence_window=1", "health.divergence_window", "greater than or equal to 3"),
     ("health.loss_mx=10", "health.loss_mx", "did you mean 'health.loss_max'"),
+    ("health.max_skipped_steps=0", "health.max_skipped_steps", "greater than or equal to 1"),
 ])
 def test_bad_values_are_one_clear_problem_naming_the_key(write_recipe, override, key, words):
     with pytest.raises(RecipeError) as e:

@@ -12,7 +12,7 @@ from health_series import real_csv
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
 from orchestrator.domain.health import RESUME_DIVERGENCE, Finding
-from orchestrator.domain.health_resume import redone_mismatch, window_jump
+from orchestrator.domain.health_resume import edge_jump, redone_mismatch, window_jump
 from orchestrator.domain.health_watch import HealthWatch
 from orchestrator.types import Progress
 
@@ -70,12 +70,13 @@ def test_a_real_resume_from_wrong_weights_is_caught_at_the_first_redone_step():
     assert f.level == pytest.approx(7.308, abs=1e-3) and f.value == pytest.approx(15.95, abs=0.01)
 
 
-def test_the_same_real_resume_with_nothing_redone_is_caught_by_its_first_window():
-    """The field's case: the crash came right after the save at step 10, so nothing is redone."""
+def test_the_same_real_resume_with_nothing_redone_is_caught_at_the_resume_point():
+    """The field's case: the crash came right after the save at step 10, so nothing is redone. Caught on the
+    third step after the resume (issue 35: was the tenth, by the first window)."""
     first, second = real_attempts("demo-wrong-weights-resume.logging.jsonl")
     f = resume([p for p in first if p.step <= 10], 10, second)[0]
-    assert (f.kind, f.details["check"], f.first_step, f.last_step) == (RESUME_DIVERGENCE, "first_window", 11, 20)
-    assert f.level == pytest.approx(7.35, abs=0.01) and f.value > 15  # the median of steps 1-10, 11-20
+    assert (f.kind, f.details["check"], f.first_step, f.last_step) == (RESUME_DIVERGENCE, "resume_point", 11, 13)
+    assert f.level == pytest.approx(7.3, abs=0.1) and f.value > 15  # the level at step 10, the median of 11-13
 
 
 @pytest.mark.parametrize("resume_step", range(500, 6501, 500))
@@ -97,8 +98,8 @@ def test_nothing_redone_and_wrong_weights_the_field_case():
     found = resume(first, 100, second)
     f = found[0]  # the level shift is a loss_divergence too, a window later: the resume check comes first
     assert [g.kind for g in found] == [RESUME_DIVERGENCE, "loss_divergence"]
-    assert f.details["check"] == "first_window" and f.details["resume_step"] == 100
-    assert (f.first_step, f.last_step, f.window) == (101, 110, CFG.resume_window)
+    assert f.details["check"] == "resume_point" and f.details["resume_step"] == 100
+    assert (f.first_step, f.last_step, f.window) == (101, 103, 3)
     assert f.level == pytest.approx(1.42, rel=0.05) and f.value == pytest.approx(2.5, rel=0.05)
     assert f.value > f.threshold
 
@@ -191,3 +192,74 @@ def test_after_a_rollback_the_diverged_steps_are_no_reference():
         w.observe(p)
     w.attempt(30)  # without suspect_from the healthy redo would be called a resume divergence
     assert [f.kind for p in steps(good[30:], start=31) for f in w.observe(p)] == [RESUME_DIVERGENCE]
+
+
+# Issue 35, item 2: the level at the resume point, so a jump early in a steep fine-tune is caught as late in it.
+def steep(n: int, start: float = 2.6, end: float = 0.85, tau: float = 12.0, rel: float = 0.0,
+          seed: int = 1) -> list[float]:
+    """A fine-tune's early fall: start -> end with time constant tau (logged steps), optional relative noise."""
+    import math
+    rng = random.Random(seed)
+    return [(end + (start - end) * math.exp(-k / tau)) * (1 + rng.gauss(0, rel)) for k in range(n)]
+
+
+def test_a_jump_early_in_a_steep_fine_tune_is_caught_at_the_resume_point():
+    """The issue's case: loss 0.91 at the save, 1.57 on the first step after (+72 %), then training pulls it
+    back down. The window medians miss it (the ten before sit high on the fall); the resume point does not."""
+    first = steps(steep(30, end=0.88, tau=7))
+    assert first[-1].loss == pytest.approx(0.91, abs=0.02)
+    after = [1.57, 1.49, 1.42, 1.33, 1.25, 1.18, 1.12, 1.07, 1.03, 1.0]
+    before = [p.loss for p in first[-CFG.resume_window:]]
+    assert window_jump(before, after, CFG.resume_level_tolerance, CFG.divergence_min_rise) is None  # the old check
+    (f,) = [g for g in resume(first, 30, steps(after, start=31)) if g.kind == RESUME_DIVERGENCE]
+    assert (f.details["check"], f.first_step, f.last_step) == ("resume_point", 31, 33)
+    assert f.level == pytest.approx(0.91, abs=0.02) and f.value == pytest.approx(1.49)
+
+
+def test_the_same_jump_late_in_the_run_is_caught_too():
+    first = steps(steep(300, end=0.88, tau=7))
+    after = [1.57, 1.49, 1.42, 1.33, 1.25, 1.18, 1.12, 1.07, 1.03, 1.0]
+    assert [f.details["check"] for f in resume(first, 300, steps(after, start=301))
+            if f.kind == RESUME_DIVERGENCE] == ["resume_point"]
+
+
+@pytest.mark.parametrize("name, cuts", [
+    # steep early fall and warm-up (the lr rises over the first steps) of a real batch-2 LoRA SFT run
+    ("baize-tcm-lora-sft.csv", range(12, 200, 3)),
+    # its epoch boundaries (743 steps an epoch: the loss drops when the data comes round again)
+    ("baize-tcm-lora-sft.csv", [743 * e + d for e in range(1, 9) for d in (-2, 0, 2)]),
+    # noisy small batches all through (per-step loss up to 2.5 x its median)
+    ("baize-tcm-lora-sft.csv", range(250, 6600, 97)),
+    # a real TinyLlama SFT run logged every 15 steps, 2 epochs, cut at every logged step
+    ("tinyllama-sft.csv", None),
+])
+def test_a_faithful_resume_of_real_runs_raises_nothing_anywhere(name, cuts):
+    """A faithful resume continues the real series itself: cut there, nothing redone (the resume-point check's
+    false-alarm rows)."""
+    recs = real_csv(name)
+    points = [p.step for p in recs[3:-3]] if cuts is None else list(cuts)
+    for cut in points:
+        first = [p for p in recs if p.step <= cut]
+        second = [p for p in recs if p.step > cut]
+        assert [f for f in resume(first, cut, second[:30]) if f.kind == RESUME_DIVERGENCE] == [], cut
+
+
+@pytest.mark.parametrize("rel, seed", [(0.0, 1), (0.05, 1), (0.15, 2), (0.3, 3), (0.3, 4)])
+def test_a_faithful_resume_of_a_steep_noisy_curve_raises_nothing(rel, seed):
+    curve = steep(80, rel=rel, seed=seed)
+    for cut in range(10, 60, 2):
+        found = resume(steps(curve[:cut]), cut, steps(curve[cut:], start=cut + 1))
+        assert [f for f in found if f.kind == RESUME_DIVERGENCE] == [], cut
+
+
+@pytest.mark.parametrize("before_steps, before, after, jump", [
+    (range(1, 11), [2.0 - 0.1 * k for k in range(10)], [1.9, 1.85, 1.8], True),    # a fall to 1.1, then 1.85
+    (range(1, 11), [2.0 - 0.1 * k for k in range(10)], [1.2, 1.1, 1.15], False),   # the fall levels off
+    (range(1, 11), [1.0] * 10, [1.4, 1.45, 1.3], False),                           # +40 %: under 50 %
+    (range(1, 11), [1.0, 1.6, 0.5, 1.4, 0.6, 1.5, 0.7, 1.3, 0.6, 1.0], [1.55, 1.6, 1.5], False),  # noise
+    (range(1, 11), [1.0] * 9 + [0.2], [1.0, 1.0, 1.0], False),                    # one low outlier at the end
+    (range(1, 3), [1.0, 1.0], [3.0, 3.0, 3.0], False),                             # too few before
+])
+def test_edge_jump(before_steps, before, after, jump):
+    got = edge_jump(list(before_steps), before, after, CFG.resume_level_tolerance, CFG.divergence_min_rise)
+    assert (got is not None) is jump

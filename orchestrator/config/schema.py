@@ -286,6 +286,9 @@ class HealthSection(_Section):
     resume_window: int = Field(default=10, ge=1)
     resume_level_tolerance: float = Field(default=0.5, gt=0)
     unreadable_lines: int = Field(default=3, ge=1)  # progress-looking lines in a row with no step record
+    # fp16 (a loss scaler): a non-finite grad norm with a finite loss is a skipped update, an andon only after
+    # more than this many in a row (domain/skipped_steps.py). Megatron halves its 2^32 initial scale per skip.
+    max_skipped_steps: int = Field(default=50, ge=1)
     # Throughput: step time over the attempt's baseline by slowdown_ratio for slowdown_window_s; "restart":
     # graceful stop and relaunch after a verified checkpoint.
     slowdown_ratio: float = Field(default=1.5, gt=1)

@@ -31,9 +31,10 @@ THROUGHPUT_DROP = "throughput_drop"
 THROUGHPUT_RECOVERED = "throughput_recovered"
 CHECKPOINT_UNCHANGED = "checkpoint_unchanged"
 CHECKPOINT_NONFINITE = "checkpoint_nonfinite"
+SKIPPED_STEPS = "skipped_steps"   # fp16: an update the loss scaler skipped (a warning; NaN only when it persists)
 HEALTH_KINDS: tuple[str, ...] = (LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE, LOSS_LIMIT, GRAD_NORM_LIMIT,
                                  RESUME_DIVERGENCE, PROGRESS_UNREADABLE, THROUGHPUT_DROP, THROUGHPUT_RECOVERED,
-                                 CHECKPOINT_UNCHANGED, CHECKPOINT_NONFINITE)
+                                 CHECKPOINT_UNCHANGED, CHECKPOINT_NONFINITE, SKIPPED_STEPS)
 # The findings health.on_divergence acts on; spikes only warn.
 DIVERGENCE_KINDS = frozenset({LOSS_DIVERGENCE, LOSS_LIMIT, GRAD_NORM_LIMIT})
 

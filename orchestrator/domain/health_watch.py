@@ -1,6 +1,6 @@
 """HealthWatch: the one object the loop feeds, for every health detector over a run's logged steps and lines.
 
-    watch = HealthWatch(recipe.health, recipe.checkpoint.resume_loss_tolerance)
+    watch = HealthWatch(recipe.health, recipe.checkpoint.resume_loss_tolerance, fp16_run(recipe))
     watch.attempt(resume_step, history, weights_only)   # at each launch
     for p in new step records: findings += watch.observe(p)
     for line the parser did not understand: findings += watch.line(line, now)
@@ -15,18 +15,21 @@ import math
 from collections.abc import Iterable
 
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health import Finding, LossHealth
+from orchestrator.domain.health import SKIPPED_STEPS, Finding, LossHealth
 from orchestrator.domain.health_resume import ResumeCheck
 from orchestrator.domain.progress_unreadable import UnreadableTracker
+from orchestrator.domain.skipped_steps import SkippedSteps
 from orchestrator.types import Progress
 
 
 class HealthWatch:
     """A run's health: the loss and grad-norm detectors over its step records, the resumed attempt's check
-    against what was logged before, and the progress lines the parser did not understand."""
+    against what was logged before, the progress lines the parser did not understand, and (`fp16`: the run has
+    a loss scaler) the updates it skipped."""
 
-    def __init__(self, cfg: HealthSection, resume_loss_tolerance: float = 0.05) -> None:
-        self.cfg, self.resume_loss_tolerance = cfg, resume_loss_tolerance
+    def __init__(self, cfg: HealthSection, resume_loss_tolerance: float = 0.05, fp16: bool = False) -> None:
+        self.cfg, self.resume_loss_tolerance, self.fp16 = cfg, resume_loss_tolerance, fp16
+        self.skips = SkippedSteps(fp16, cfg.max_skipped_steps)
         self.losses = LossHealth(cfg)
         self.logged: dict[int, Progress] = {}   # step -> the run's record of it (the latest attempt's)
         self.resume: ResumeCheck | None = None
@@ -53,6 +56,7 @@ class HealthWatch:
                        if resume_step is not None else None)
         self.lines = UnreadableTracker(self.cfg.unreadable_lines)
         self.last_step = resume_step
+        self.skips = SkippedSteps(self.fp16, self.cfg.max_skipped_steps, resume_step or 0)
 
     def observe(self, p: Progress) -> list[Finding]:
         """The new findings of one step record; a step at or before the last one seen is a repeat (stdout and
@@ -61,11 +65,25 @@ class HealthWatch:
             return []
         self.last_step = p.step
         self.logged[p.step] = p
-        found = self.losses.observe(p)
+        found = self.losses.observe(p) + self._skipped(p)
         if self.resume is not None:
             f = self.resume.observe(p)
             found += [f] if f is not None else []
         return found
+
+    def _skipped(self, p: Progress) -> list[Finding]:
+        """A `skipped_steps` warning where a run of skipped updates starts (the metrics count every one; the NaN
+        andon of a run that persists is the attempt's, loop/attempt.py)."""
+        check = self.skips.observe(p)
+        if not check.skipped or check.run != check.skipped or check.andon:
+            return []
+        why = (f"the trainer reports {check.skipped} skipped" if p.skipped else
+               f"grad norm {p.grad_norm} with a finite loss {p.loss} in an fp16 run")
+        return [Finding(SKIPPED_STEPS, f"step {p.step}: an overflow-skipped update ({why}): the loss scaler skips "
+                                       "the update and lowers its scale; NaN only after more than "
+                                       f"health.max_skipped_steps ({self.cfg.max_skipped_steps}) in a row",
+                        p.step, p.step, value=p.grad_norm if p.grad_norm is not None else None,
+                        details={"skipped": check.skipped, "skipped_total": self.skips.total})]
 
     def line(self, line: str, now: float, parsed: Progress | None = None) -> list[Finding]:
         """One log line and what the progress parser got from it (None: no step record)."""

@@ -115,9 +115,11 @@ def parse_pipe_line(line: str) -> Progress | None:
     if nan_iterations:
         loss = math.nan
     ms = _number(fields.get("elapsed time per iteration (ms)"))
+    skipped = _number(fields.get("number of skipped iterations"))
     return Progress(step=int(m.group(1)), max_steps=int(m.group(2)), loss=loss,
                     grad_norm=_number(fields.get("grad norm")), lr=_number(fields.get("learning rate")),
-                    memory_gib=_number(fields.get("memory(GiB)")), step_s=ms / 1000.0 if ms is not None else None)
+                    memory_gib=_number(fields.get("memory(GiB)")), step_s=ms / 1000.0 if ms is not None else None,
+                    skipped=int(skipped) if skipped is not None and math.isfinite(skipped) else None)
 
 
 def parse_dict_line(line: str) -> Progress | None:
@@ -164,5 +166,6 @@ def is_bad_number(x: float | None) -> bool:
 
 
 def andon(p: Progress) -> bool:
-    """Stop the line: loss or grad norm is NaN/Inf."""
+    """Tells whether a record stops the line by itself: loss or grad norm is NaN/Inf (a run without a loss
+    scaler; skipped_steps.SkippedSteps knows fp16 runs, where a NaN grad norm is a skipped update)."""
     return is_bad_number(p.loss) or is_bad_number(p.grad_norm)

@@ -137,6 +137,9 @@ class Metrics:
         self._progress_ts = gauge("orchestrator_last_progress_timestamp_seconds",
                                   "Unix time the training step last advanced (supervisor start before any).")
         self._nan = counter("orchestrator_nan", "Logged steps whose loss or grad norm was NaN/inf.")
+        self._skipped = counter("orchestrator_skipped_steps",
+                                "Updates skipped on an fp16 overflow (a NaN/inf grad norm with a finite loss, or "
+                                "Megatron's `number of skipped iterations`): not NaN steps.")
         self._divergence = counter("orchestrator_resume_divergence",
                                    "Resumes whose loss diverged from the loss logged at the checkpoint.")
         self._ckpt_age = gauge("orchestrator_checkpoint_age_seconds",
@@ -226,17 +229,23 @@ class Metrics:
             for s in State:
                 self._state.labels(s.value).set(1 if s is state else 0)
 
-    def observe_progress(self, p: Progress) -> None:
+    def observe_progress(self, p: Progress, skipped: int = 0) -> None:
+        """Sets the gauges from one step record and counts a NaN step; `skipped`: the updates the attempt's
+        SkippedSteps found the record skipped (an fp16 overflow), counted as skipped steps, not NaN."""
         now = self._clock()
         with self._lock:
             if p.step != self._last_step:
                 self._last_step = p.step
                 self._progress_ts.set(now)
                 self._alert.labels(Alert.PROGRESS_UNREADABLE.value).set(0)  # a step record understood again
-            bad = any(v is not None and not math.isfinite(v) for v in (p.loss, p.grad_norm))
-            if bad and p.step != self._last_bad_step:  # stdout and logging.jsonl report the same step
+            judged = (p.loss,) if skipped else (p.loss, p.grad_norm)  # a skipped update's grad norm is no NaN
+            bad = any(v is not None and not math.isfinite(v) for v in judged)
+            if (bad or skipped) and p.step != self._last_bad_step:  # stdout and logging.jsonl report the same step
                 self._last_bad_step = p.step
-                self._nan.inc()
+                if bad:
+                    self._nan.inc()
+                else:
+                    self._skipped.inc(skipped)
         self._step.set(p.step)
         if p.max_steps is not None:
             self._max_steps.set(p.max_steps)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orchestrator.domain import costs, progress
+from orchestrator.domain.skipped_steps import SkippedSteps
 from orchestrator.host.base import Host, Trainer
 from orchestrator.host.journal import Journal
 from orchestrator.host.launch.local import FileTail
@@ -59,6 +60,8 @@ class AttemptWatch:
     closing_record_seen: bool = False          # the trainer wrote its closing logging.jsonl record
     bad: tuple[str, ...] = ()                  # the NaN/Inf line, once seen
     bad_step: int | None = None
+    skips: SkippedSteps = field(default_factory=SkippedSteps)  # fp16 overflow-skipped updates: NaN only in a run
+    skipped: dict[int, int] = field(default_factory=dict)     # step -> updates it skipped (for the metrics)
     resume_checked: bool = False
     # What saves and the start cost (costs.py): step records as first seen, saves not yet measured.
     output_dir: Path | None = None
@@ -75,10 +78,12 @@ class AttemptWatch:
     @classmethod
     def start(cls, n: int, launched: Trainer, port: int, resume: Resume | None, output_dir: Path,
               row: Attempt, save_steps: int | None = None,
-              on_cost: Callable[[str, float, dict], None] | None = None) -> AttemptWatch:
+              on_cost: Callable[[str, float, dict], None] | None = None, fp16: bool = False,
+              max_skipped_steps: int = 50) -> AttemptWatch:
         jsonl = output_dir / "logging.jsonl"
         return cls(n, launched, port, resume, row, FileTail(launched.log_path), FileTail(jsonl, from_end=True),
-                   logged_losses(jsonl), output_dir=output_dir, save_steps=save_steps, on_cost=on_cost)
+                   logged_losses(jsonl), output_dir=output_dir, save_steps=save_steps, on_cost=on_cost,
+                   skips=SkippedSteps(fp16, max_skipped_steps, resume.step if resume else 0))
 
     @property
     def good_step_at_launch(self) -> int:
@@ -162,7 +167,12 @@ class AttemptWatch:
             self.on_cost(kind, seconds, details)
 
     def _check(self, p: Progress, line: str) -> None:
-        if progress.andon(p) and not self.bad:
+        check = self.skips.observe(p)
+        if check.skipped:
+            self.skipped[p.step] = check.skipped
+            if len(self.skipped) > 4096:  # the metrics read them in the same pass; keep the newest
+                del self.skipped[min(self.skipped)]
+        if check.andon and not self.bad:
             self.bad, self.bad_step = (line.strip()[:500],), p.step
 
     def take_read(self) -> tuple[list[tuple[str, Progress | None]], list[int]]:

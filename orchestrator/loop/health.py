@@ -18,6 +18,7 @@ from orchestrator.domain import progress
 from orchestrator.domain.health import DIVERGENCE_KINDS, RESUME_DIVERGENCE, THROUGHPUT_DROP, THROUGHPUT_RECOVERED
 from orchestrator.domain.health_action import HealthAction, decide, decide_resume, rollbacks_of
 from orchestrator.domain.health_watch import HealthWatch
+from orchestrator.domain.skipped_steps import fp16_run
 from orchestrator.domain.slowdown_clues import clues
 from orchestrator.domain.throughput import ThroughputParams, ThroughputTracker, slowdown_action
 from orchestrator.host.base import Host
@@ -55,7 +56,7 @@ class HealthSeen:
 class RunHealth:
     def __init__(self, ctx: RunContext, host: Host, metrics: Metrics):
         self.ctx, self.cfg, self.host, self.metrics = ctx, ctx.recipe.health, host, metrics
-        self.watch = HealthWatch(self.cfg, ctx.recipe.checkpoint.resume_loss_tolerance)
+        self.watch = HealthWatch(self.cfg, ctx.recipe.checkpoint.resume_loss_tolerance, fp16_run(ctx.recipe))
         self.throughput: ThroughputTracker | None = None   # the running training attempt's
         self.baseline_s: float | None = None    # the fastest baseline of this supervisor's attempts
         self.suspect_from: int | None = None    # after a set-aside: what was logged from here is no reference

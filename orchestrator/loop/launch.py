@@ -17,6 +17,7 @@ from dataclasses import replace
 from orchestrator.config.recipe import RecipeError
 from orchestrator.config.render.command import render_command
 from orchestrator.config.render.export import render_export
+from orchestrator.domain.skipped_steps import fp16_run
 from orchestrator.host.base import Host
 from orchestrator.host.launch.local import LaunchError
 from orchestrator.host.metrics import Metrics
@@ -101,7 +102,7 @@ class Launcher:
             raise RecipeError(str(e)) from e
         attempt = AttemptWatch.start(n, launched, port, resume, ctx.out,
                                      replace(row, pid=launched.pid, pid_start_time=launched.create_time),
-                                     save_steps, measured)
+                                     save_steps, measured, fp16_run(r), r.health.max_skipped_steps)
         self.journal.record_attempt(attempt.row)
         self.host.evidence_baseline(launched, ctx.run_id, self.gpus.run_gpus() if r.gpu.check else [])
         self.checkpoints.forget_after(attempt.good_step_at_launch)

@@ -189,7 +189,7 @@ class Observer:
         now, mono = self.host.now(), self.host.monotonic()
         fresh = a.gather(now, mono)
         for p in fresh:
-            self.metrics.observe_progress(p)
+            self.metrics.observe_progress(p, a.skipped.get(p.step, 0))
         self._echo_progress(a, now, mono)
         disk_full = self.keep_space(a) if self.scan() else None
         self.ticker.housekeeping()
@@ -216,7 +216,7 @@ class Observer:
         returns the step records it read."""
         fresh = a.gather(self.host.now(), self.host.monotonic(), drain=True)
         for p in fresh:
-            self.metrics.observe_progress(p)
+            self.metrics.observe_progress(p, a.skipped.get(p.step, 0))
         self.scan(force=True)
         return fresh
 
