@@ -138,9 +138,11 @@ def _link_step(output_dir: Path) -> int | None:
     quarantined or deleted) proves nothing about the checkpoints being written after it."""
     try:
         target = os.readlink(output_dir / "last-checkpoint")
-        step = int(CKPT_RE.fullmatch(Path(target).name).group(1))
-    except (OSError, AttributeError):
+    except OSError:
         return None
+    if (m := CKPT_RE.fullmatch(Path(target).name)) is None:  # it names no checkpoint-N
+        return None
+    step = int(m.group(1))
     return step if (output_dir / target).is_dir() else None
 
 
@@ -148,9 +150,10 @@ def _link(output_dir: Path) -> tuple[int, int] | None:
     """(step, when it was moved, ns) of last-checkpoint, dangling or not: --async_save's completeness mark."""
     try:
         link = output_dir / "last-checkpoint"
-        step = int(CKPT_RE.fullmatch(Path(os.readlink(link)).name).group(1))
-        return step, os.lstat(link).st_mtime_ns
-    except (OSError, AttributeError):
+        if (m := CKPT_RE.fullmatch(Path(os.readlink(link)).name)) is None:  # it names no checkpoint-N
+            return None
+        return int(m.group(1)), os.lstat(link).st_mtime_ns
+    except OSError:
         return None
 
 
@@ -223,11 +226,11 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
     with the manifest (a manifest that cannot be used, or names another recipe than `recipe_hash`, is a problem)."""
     p = Path(path)
     if p.is_file():
-        problems, names = read_safetensors(p, p.name)
+        problems, tnames = read_safetensors(p, p.name)
         if full_checksum:
             problems.append(f"{NOT_COMPARED}: {p.name} is a file; the manifest covers its checkpoint "
                             f"directory: verify {p.parent} --checksum")
-        return Verification(not problems, None, True, tuple(problems), (p.name,), len(names), str(p))
+        return Verification(not problems, None, True, tuple(problems), (p.name,), len(tnames), str(p))
     m, mm = CKPT_RE.fullmatch(p.name), MERGED_RE.fullmatch(p.name)
     if not p.is_dir():
         return Verification(False, None, False, (f"{p}: no such checkpoint directory or file",), path=str(p))
@@ -239,14 +242,15 @@ def verify(path: str | os.PathLike, expect: LoraExpect | None = None, full_check
             return Verification(False, None, False, (f"{p}: no checkpoint-N directories",), path=str(p))
         return verify(max(infos, key=step_of), expect, full_checksum, backend=backend, recipe_hash=recipe_hash)
     # the other backend's checkpoint is named as such first, then checked as what it is
-    problems: list[str] = []
+    problems = []
     if backend is not None and kind is not None and kind != backend and not mm:  # -merged: full weights, any backend
         problems.append(f"this is a {kind} sft checkpoint; the recipe's backend is {backend}: "
                         f"use a recipe with run.backend = \"{kind}\" to verify or resume from it")
         backend = kind
     is_async = False
-    if m or mm:
-        step, merged = int((m or mm).group(1)), mm is not None
+    step: int | None
+    if (named := m or mm) is not None:
+        step, merged = int(named.group(1)), mm is not None
         newer = any((q := CKPT_RE.fullmatch(e.name)) and int(q.group(1)) > step for e in p.parent.iterdir())
         is_async = not merged and backend in (None, "megatron") and kind == "megatron" and saved_async(p, names)
         last_step = async_proof(p, step) if is_async else _link_step(p.parent)
@@ -357,11 +361,12 @@ def scan(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None 
         merged = entries.get(f"{name}-merged")
         manifest = read_manifest(entries[name])
         loss = (manifest or {}).get("loss")
-        if loss is None:
+        if loss is None and v.step is not None:  # None: the dir went after listing (_trainer_loss found no loss there)
             loss = _trainer_loss(entries[name], v.step)
         if loss is None and "logging.jsonl" in entries:
             jsonl = logged_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
-            loss = max(((s, l) for s, l in jsonl.items() if s <= v.step), default=(0, None))[1]
+            # v.step is None when the dir went after listing: this raises TypeError then (left: a fix changes behaviour)
+            loss = max(((s, l) for s, l in jsonl.items() if s <= v.step), default=(0, None))[1]  # type: ignore[operator]
         yield v.to_info(str(merged) if merged and merged.is_dir() else None, loss)
 
 

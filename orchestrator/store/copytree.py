@@ -42,7 +42,7 @@ PARTIAL_SUFFIX = ".orch-partial"  # `.<name>.orch-partial`: not rsync's `.<name>
 
 
 def _rsync(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, ...], keep_fd: int | None,
-           bwlimit_kib: int | None, cancel: threading.Event | None, protect: Collection[str] = ()) -> int:
+           bwlimit_kib: int | None, cancel: threading.Event | _Either | None, protect: Collection[str] = ()) -> int:
     """rsync src/ into dst/; returns bytes transferred. Raises OSError with rsync's message on failure."""
     # Writes go to a temp name and are renamed (no --inplace), so hard links into published copies made
     # by --link-dest are never modified; --delete(-excluded) clears temp files and leftovers of a killed
@@ -96,7 +96,7 @@ def same_file(a: os.stat_result, b: Path) -> bool:
 
 
 def _pycopy(src: Path, dst: Path, link_dest: Path | None, excludes: tuple[str, ...],
-            cancel: threading.Event | None, protect: Collection[str] = ()) -> int:
+            cancel: threading.Event | _Either | None, protect: Collection[str] = ()) -> int:
     """Pure-Python stand-in for the rsync call (no rsync binary): same skip/link rules, temp name + rename."""
     wanted = [r for r in mf.list_files(src) if not _excluded(r, excludes) and r not in protect]
     copied = 0
@@ -327,9 +327,10 @@ def copy_tree(src: Path, dst: Path, rels: Iterable[str], link_dest: Path | None,
     large = [] if bwlimit_kib else _large_files(src, rels, excludes)  # a bandwidth limit is rsync's to keep
     protect = {rel for rel, _ in large}
     abort = threading.Event()
-    stop = _Either(cancel, abort) if large else cancel
+    either = _Either(cancel, abort)
+    stop = either if large else cancel
     with ThreadPoolExecutor(max_workers=min(COPY_WORKERS, len(large)) or 1, thread_name_prefix="copy") as pool:
-        futures = [pool.submit(_copy_large, src, dst, rel, st, link_dest, stop, abort) for rel, st in large]
+        futures = [pool.submit(_copy_large, src, dst, rel, st, link_dest, either, abort) for rel, st in large]
         try:
             with TailHasher(dst, [r for r in rels if r not in protect]) as hasher:
                 if shutil.which("rsync"):

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from orchestrator.types import CheckpointInfo
 
+safe_open: Callable[..., Any] | None
 try:  # imported here, not on first use: the first check must not stall the supervisor's loop
     import numpy  # noqa: F401  (safe_open's numpy framework needs it)
     from safetensors import safe_open
@@ -70,7 +72,7 @@ def check_header(header: Any, header_len: int, file_len: int, name: str) -> tupl
                 and all(isinstance(x, int) and x >= 0 for x in t["shape"] + t["data_offsets"])):
             problems.append(f"{name}: tensor '{key}' has a malformed header entry; {REDO}")
             continue
-        bits = _DTYPE_BITS.get(t.get("dtype"))
+        bits = _DTYPE_BITS.get(t.get("dtype", ""))  # no dtype: "" is no dtype of ours either
         begin, end = t["data_offsets"]
         numel = 1
         for d in t["shape"]:

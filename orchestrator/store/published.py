@@ -42,7 +42,7 @@ def owned(manifest: Mapping | None, recipe_hash: str | None) -> bool:
 
 
 
-def copies_in(d: str | os.PathLike) -> dict[str, dict | None]:
+def copies_in(d: str | os.PathLike[str]) -> dict[str, dict | None]:
     """Every checkpoint dir in one directory (any owner): name -> manifest. {} when d does not exist."""
     try:
         entries = list(os.scandir(d))
@@ -74,9 +74,10 @@ def published(persistent_dir: str | os.PathLike, run_name: str, recipe_hash: str
     hash, then flat-layout copies of the same hash where the publish dir has none of that name.
     OSError when persistent_dir cannot be read."""
     own_dir, root = publish_dir(persistent_dir, run_name, recipe_hash), Path(persistent_dir)
-    own = {n: Copy(n, step_of(n), own_dir, m) for n, m in copies_in(own_dir).items() if owned(m, recipe_hash)}
+    own = {n: Copy(n, step_of(n), own_dir, m) for n, m in copies_in(own_dir).items()
+           if m is not None and owned(m, recipe_hash)}
     flat = {n: Copy(n, step_of(n), root, m, flat=True) for n, m in copies_in(root).items()
-            if owned(m, recipe_hash) and n not in own}
+            if m is not None and owned(m, recipe_hash) and n not in own}
     return sorted([*own.values(), *flat.values()], key=lambda c: (c.step, c.merged, c.flat))
 
 
@@ -103,6 +104,8 @@ class PublishLock:
         self.fd: int | None = None
 
     def _open(self) -> int:
+        if self.dir is None:  # acquire() and check_for_sync() return before opening when publishing is off
+            raise RuntimeError("PublishLock: no publish dir to lock (run.persistent_dir is not set)")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             return os.open(self.dir / PUBLISHER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)

@@ -24,6 +24,8 @@ from orchestrator.types import GIB, CheckpointInfo, Standing
 
 
 def _sync_args(r: Recipe, h: str) -> dict:
+    if r.run.persistent_dir is None:  # callers publish only with it set: the sync command refuses, start() checks
+        raise RecipeError("run.persistent_dir is not set in the recipe: nothing to sync to")
     return dict(output_dir=r.run.output_dir, persistent_dir=publish_dir(r.run.persistent_dir, r.run.name, h),
                 backend=r.run.backend, recipe_hash=h, keep=r.checkpoint.keep_persistent,
                 include_mcore=r.checkpoint.keep_optimizer, include_merged=r.checkpoint.merge != "never")
@@ -146,6 +148,8 @@ class Publisher:
 
     def _published(self) -> list:
         r = self.recipe.run
+        if r.persistent_dir is None:  # every caller runs only when publishing is on (enabled)
+            raise RuntimeError("no published copies to list: run.persistent_dir is not set")
         return published(r.persistent_dir, r.name, self.hash)
 
     def stop(self, final_sync: bool) -> None:
@@ -192,9 +196,9 @@ class Publisher:
         of the published names, under the sync lock (at most `wait_s` for it), so no restore takes them and no
         round re-lists them; the data stays for a person. Returns True when none is left to move; False when the
         lock is held by a round (the request is retried on a later pass)."""
-        if not self.enabled:
-            return True
         r = self.recipe.run
+        if r.persistent_dir is None:  # not enabled: nothing published to move
+            return True
         try:
             fd = sync.open_lock(publish_dir(r.persistent_dir, r.name, self.hash), wait_s=wait_s)
         except BlockingIOError:

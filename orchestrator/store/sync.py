@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from orchestrator.store import checkpoints as ck
 from orchestrator.store import manifest as mf
@@ -82,6 +83,8 @@ def filter_manifest(manifest: Mapping, excludes: tuple[str, ...]) -> dict:
 
 def same_content(a: Mapping | None, b: Mapping | None) -> bool:
     """Same step and files (path, size, sha256); a missing or malformed manifest never matches."""
+    if a is None or b is None:
+        return False
     try:
         key = [(m["step"], [(f["path"], f["size"], f["sha256"]) for f in m["files"]]) for m in (a, b)]
     except (KeyError, TypeError):
@@ -243,8 +246,9 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
     except OSError as e:
         msg = f"persistent_dir {persistent} is not writable ({e.strerror or e}): check the mount, permissions and path"
         return _report(SyncResult(problems=(msg,)), on_problem, t0)
-    opts = {"excludes": () if include_mcore else (MCORE_SHARDS,), "lock_fd": lock_fd, "bwlimit_kib": bwlimit_kib,
-            "cancel": cancel, "margin": margin_bytes}
+    opts: dict[str, Any] = {"excludes": () if include_mcore else (MCORE_SHARDS,), "lock_fd": lock_fd,
+                            "bwlimit_kib": bwlimit_kib, "cancel": cancel, "margin": margin_bytes}
+    deleted: list[str]
     copied, skipped, problems, deleted, nbytes = [], [], [], [], 0
     try:
         infos = ck.discover(out, backend)
@@ -265,16 +269,16 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
         skipped += [f"checkpoint-{s}: superseded by checkpoint-{newest} (only the newest is published)"
                     for s in local if s != newest and f"checkpoint-{s}" not in pub]
         resumable = {f"{PARTIAL}checkpoint-{s}{sfx}" for s in todo for sfx in ("", "-merged")}
-        for e in persistent.iterdir():  # we hold the lock, so any other .partial-* is abandoned
-            if e.name.startswith(PARTIAL) and e.name not in resumable:
-                shutil.rmtree(e, ignore_errors=True)
+        for entry in persistent.iterdir():  # we hold the lock, so any other .partial-* is abandoned
+            if entry.name.startswith(PARTIAL) and entry.name not in resumable:
+                shutil.rmtree(entry, ignore_errors=True)
         for s in todo:
             if in_flight is not None and not in_flight.take(local[s].path):
                 skipped.append(f"checkpoint-{s}: deleted locally before its copy started")
                 continue
             dirs = [Path(local[s].path)]
-            if include_merged and local[s].merged_path:
-                mv = ck.verify(local[s].merged_path, backend=backend)
+            if include_merged and (merged_path := local[s].merged_path):
+                mv = ck.verify(merged_path, backend=backend)
                 dirs += [Path(mv.path)] if mv.ok else []
                 problems += [f"local {p}" for p in mv.problems] if mv.complete else []
             opts["refuse"] = (lambda s=s: gate(s, local[s].path)) if gate is not None else None
@@ -309,10 +313,10 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
                     copied.append(src.name)
                     pub[src.name] = m
         kept = retain(_losses(pub), keep)
-        for n in sorted(pub):
-            if ck.step_of(n) not in kept:
-                _remove(persistent / n)
-                deleted.append(n)
+        for name in sorted(pub):
+            if ck.step_of(name) not in kept:
+                _remove(persistent / name)
+                deleted.append(name)
         newest_pub = max(kept, default=None)
         behind = sorted(s for s in local if newest_pub is None or s > newest_pub)  # what losing the node loses
         lag_s = None if newest is None else 0.0 if not behind else \
@@ -343,11 +347,12 @@ def _prune_for_space(persistent: Path, pub: dict, wanted: set[int], deleted: lis
 
 
 def _report(r: SyncResult, on_problem: Callable[[str], None] | None, t0: float) -> SyncResult:
-    for p in r.problems if on_problem else ():
-        try:
-            on_problem(p)
-        except Exception:  # an alert hook must not break syncing
-            log.exception("on_problem hook failed")
+    if on_problem is not None:
+        for p in r.problems:
+            try:
+                on_problem(p)
+            except Exception:  # an alert hook must not break syncing
+                log.exception("on_problem hook failed")
     return replace(r, duration_s=time.monotonic() - t0)
 
 

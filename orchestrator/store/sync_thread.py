@@ -81,11 +81,12 @@ class SyncThread(threading.Thread):
             r = SyncResult(problems=(f"sync crashed: {type(e).__name__}: {e}",))
         new = [p for p in r.problems if p not in self._alerted]
         self._alerted = set(r.problems)  # alert once per problem until it clears
-        for p in new if self.on_problem else ():
-            try:
-                self.on_problem(p)
-            except Exception:
-                log.exception("on_problem hook failed")
+        if self.on_problem is not None:
+            for p in new:
+                try:
+                    self.on_problem(p)
+                except Exception:
+                    log.exception("on_problem hook failed")
         with self._cond:
             self.last_result = r
             self.bytes_total += r.bytes_copied

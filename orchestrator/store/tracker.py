@@ -189,7 +189,7 @@ class CheckpointTracker:
     def retry_manifests(self) -> None:
         for path, (step, loss) in list(self.unhashed.items()):
             if os.path.isdir(path):
-                self._check(path, step, loss, (e := self.standings.of(step)) and e.saved_at)
+                self._check(path, step, loss, e.saved_at if (e := self.standings.of(step)) is not None else None)
             else:
                 self.unhashed.pop(path)
 
