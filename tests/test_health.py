@@ -211,7 +211,7 @@ def test_a_new_attempt_from_scratch_forgets_the_run():
 def test_a_divergence_ongoing_across_a_resume_is_not_reported_again():
     """health.on_divergence = "warn": the run goes on diverging, crashes, resumes: still the same condition."""
     records = series(noisy(60, 1.0, 0.02) + noisy(100, 2.0, 0.02, seed=13))
-    w = HealthWatch(DEFAULTS)
+    w = HealthWatch(DEFAULTS.model_copy(update={"on_divergence": "warn"}))
     w.attempt(None)
     first = [f.kind for p in records[:140] for f in w.observe(p)]
     w.attempt(130)
@@ -226,3 +226,15 @@ def test_a_rollback_before_the_onset_reports_a_recurrence():
     (f,) = [f for p in records[:140] for f in w.observe(p)]
     w.attempt(50, suspect_from=f.first_step)  # the same data again: it diverges again
     assert [g.kind for p in records[50:] for g in w.observe(p)] == [LOSS_DIVERGENCE]
+
+
+def test_a_divergence_the_loop_acts_on_is_found_again_when_it_persists_across_a_resume():
+    """health.on_divergence = "stop" or "rollback": a relaunch from inside the condition finds it again (derived
+    from the data, not a one-shot latch), so the recurrence rule and the stop apply to it."""
+    records = series(noisy(60, 1.0, 0.02) + noisy(100, 2.0, 0.02, seed=13))
+    w = HealthWatch(DEFAULTS.model_copy(update={"on_divergence": "rollback"}))
+    w.attempt(None)
+    first = [f.kind for p in records[:140] for f in w.observe(p)]
+    w.attempt(130)
+    second = [f.kind for p in records[130:] for f in w.observe(p)]
+    assert (first, second) == ([LOSS_DIVERGENCE], [LOSS_DIVERGENCE])

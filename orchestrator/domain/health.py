@@ -153,12 +153,13 @@ class LossHealth:
     def replay(self, records: Iterable[Progress]) -> None:
         """Start over from `records` (the run up to a resume point) without reporting what they show. A warning
         still on at the resume point was reported then and is not reported again; a condition the loop acts on
-        (DIVERGENCE_KINDS) is found again if it persists: it is derived from the data, not remembered."""
+        (DIVERGENCE_KINDS, unless health.on_divergence = "warn") is found again if it persists: it is derived from
+        the data, not remembered."""
         self.reset()
         for p in records:
             self.observe(p)
         c = self.cfg
-        for kind in DIVERGENCE_KINDS:
+        for kind in DIVERGENCE_KINDS if c.on_divergence != "warn" else ():
             self.latches[kind] = _Latch(max(c.spike_window, c.divergence_window))
 
     def observe(self, p: Progress) -> list[Finding]:

@@ -363,10 +363,9 @@ def scan(output_dir: str | os.PathLike, backend: str, expect: LoraExpect | None 
         loss = (manifest or {}).get("loss")
         if loss is None and v.step is not None:  # None: the dir went after listing (_trainer_loss found no loss there)
             loss = _trainer_loss(entries[name], v.step)
-        if loss is None and "logging.jsonl" in entries:
+        if loss is None and v.step is not None and "logging.jsonl" in entries:  # None: the dir went after listing
             jsonl = logged_losses(entries["logging.jsonl"]) if jsonl is None else jsonl
-            # v.step is None when the dir went after listing: this raises TypeError then (left: a fix changes behaviour)
-            loss = max(((s, l) for s, l in jsonl.items() if s <= v.step), default=(0, None))[1]  # type: ignore[operator]
+            loss = max(((s, l) for s, l in jsonl.items() if s <= v.step), default=(0, None))[1]
         yield v.to_info(str(merged) if merged and merged.is_dir() else None, loss)
 
 
