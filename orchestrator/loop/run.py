@@ -76,11 +76,14 @@ class RunContext:
 
 
 def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
-             echo: Callable[[str], None] | None = None) -> RunContext:
+             echo: Callable[[str], None] | None = None, act: bool = True) -> RunContext:
     """Opens a run for supervision (see the module docstring); raises RecipeError on a stopping pre-flight
-    check, and the lock's error when another supervisor holds this run."""
+    check, and the lock's error when another supervisor holds this run. `act` False (`orchestrator watch` of a
+    trainer started by hand): the run stays in output_dir whatever the drift (the trainer writes there), no
+    pre-flight check stops it (the trainer holds the GPUs and the port), nothing is stopped, renamed or deleted
+    (an open attempt row is closed, its trainer left alone; a pending NaN waits for `run`)."""
     r = recipe
-    placement = place(r.run.output_dir, hash_, semantic_view(r), r.run.on_drift)
+    placement = place(r.run.output_dir, hash_, semantic_view(r), r.run.on_drift if act else "resume")
     if placement.output_dir != Path(r.run.output_dir):
         r = r.model_copy(update={"run": r.run.model_copy(update={"output_dir": str(placement.output_dir)})})
     out = Path(r.run.output_dir)
@@ -97,14 +100,14 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
         opened.callback(publish_lock.release)
         if placement.note:
             journal.event("drift", placement.note, keys=list(placement.drifted_keys))
-        failed = preflight.stoppers(preflight.checks(r, host.gpu_snapshot()))
+        failed = preflight.stoppers(preflight.checks(r, host.gpu_snapshot())) if act else []
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
-        _stop_predecessor(r, host, journal, run_id(out))
+        _stop_predecessor(r, host, journal, run_id(out), act)
         # the publisher starts at the end, after any quarantine, so it never publishes a poisoned checkpoint
         publisher = Publisher(r, hash_, journal, metrics)
         checkpoints = CheckpointTracker(r, hash_, out, journal, metrics,
-                                        on_saved=publisher.trigger, in_flight=publisher.in_flight)
+                                        on_saved=publisher.trigger, in_flight=publisher.in_flight, act=act)
         previous = journal.get_all()
         earlier = journal.attempts()
         budget, _ = preflight.storage_budget(r)
@@ -122,7 +125,7 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
             metrics_port=None, completed_before=(previous.get("state") == State.COMPLETED.value
                                                  and previous.get("recipe_hash") == hash_))
         pending = previous.get("nan_pending")
-        if pending:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
+        if pending and act:  # the predecessor saw a NaN and was killed before its quarantine; its trainer is stopped now
             ctx.quarantine_nan(pending["step"], pending["attempt"])
         metrics.set_info(r.run.name, hash_, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
@@ -138,10 +141,15 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
     return ctx
 
 
-def _stop_predecessor(r: Recipe, host: Host, journal: Journal, run: str) -> None:
+def _stop_predecessor(r: Recipe, host: Host, journal: Journal, run: str, act: bool = True) -> None:
     """Stops the trainer a supervisor killed with -9 left running (never two trainings on the GPUs) and closes
-    the attempt row it left open."""
+    the attempt row it left open (not `act`: only closes the row)."""
     last = journal.last_attempt()
+    if not act:
+        if last and last.ended_at is None:
+            journal.record_attempt(replace(last, ended_at=host.now(), evidence=(
+                "a supervisor or watcher ended while this attempt ran",)))
+        return
     pgids = {last.pid} if last and last.ended_at is None and last.pid and \
         host.alive(last.pid, last.pid_start_time) else set()
     leftovers = host.leftovers(run)

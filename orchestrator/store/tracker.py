@@ -25,10 +25,12 @@ PRUNING = ".orchestrator-pruning-"   # a checkpoint being deleted by retention
 
 class CheckpointTracker:
     def __init__(self, recipe: Recipe, recipe_hash: str, out: Path, journal: Journal, metrics: Metrics,
-                 on_saved: Callable[[], None], in_flight: InFlight | None = None):
+                 on_saved: Callable[[], None], in_flight: InFlight | None = None, act: bool = True):
         """`on_saved`: a verified checkpoint (and its manifest) is ready to sync. `in_flight`: the checkpoint
-        the publisher is copying, never pruned."""
-        self.recipe, self.hash, self.out = recipe, recipe_hash, out
+        the publisher is copying, never pruned. `act` False (`orchestrator watch`): nothing of the run is renamed
+        or deleted; an unhealthy checkpoint is recorded and left in place (`left_in_place`), never pruned."""
+        self.recipe, self.hash, self.out, self.act = recipe, recipe_hash, out, act
+        self.left_in_place: list[checkpoint_health.HealthFinding] = []  # act False: what a supervisor would move
         self.in_flight = in_flight or InFlight()
         self.journal, self.metrics, self.on_saved = journal, metrics, on_saved
         self.seen: dict[str, bool] = {}  # path -> verified ok; complete checkpoints are verified once
@@ -42,7 +44,7 @@ class CheckpointTracker:
         self.expect = checkpoints.LoraExpect(lora.rank, lora.alpha, tuple(lora.target_modules))
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
         self.health = checkpoint_health.CheckpointHealth(out)
-        for left in out.glob(f"{PRUNING}*"):  # a supervisor killed mid-delete: finish what it had decided
+        for left in out.glob(f"{PRUNING}*") if act else ():  # a supervisor killed mid-delete: finish what it had decided
             shutil.rmtree(left, ignore_errors=True)
 
     def scan(self, now: float) -> None:
@@ -103,6 +105,9 @@ class CheckpointTracker:
         later = []
         for f in self.health.take():
             d = Path(f.path)
+            if not self.act:  # watch mode: recorded and advised, the directory stays where the trainer wrote it
+                self._left_in_place(f)
+                continue
             with self.in_flight.lock:
                 if self.in_flight.path == f.path:
                     later.append(f)
@@ -124,6 +129,17 @@ class CheckpointTracker:
             if os.path.islink(link) and os.readlink(link).rstrip("/").endswith(d.name):
                 self._repoint_last_checkpoint(f.step)
         self.health.keep(later)
+
+    def _left_in_place(self, f: checkpoint_health.HealthFinding) -> None:
+        """An unhealthy checkpoint in watch mode: recorded not ok (no resume point, never published), the
+        alert raised when it is the newest, the event journaled; its directory is not touched."""
+        self.seen[f.path] = False
+        self.left_in_place.append(f)
+        self.journal.record_checkpoint(f.step, f.path, False, f.problems, None, self.hash)
+        self._verdict(f.step, False, f.problems)
+        self.metrics.checkpoint_invalid()
+        self.journal.event(f.kind, f"{f.problems[0]}; left in place (watch mode)", **f.data)
+        self.metrics.health_event(f.kind)
 
     def retry_manifests(self) -> None:
         for path, (step, loss) in list(self.unhashed.items()):
@@ -184,7 +200,9 @@ class CheckpointTracker:
         checkpoint namespace first, so a kill -9 mid-delete leaves no half checkpoint under its name.
         `trusted_through`: the last step read from the trainer's log without a NaN; a save after it may hold
         poisoned weights, so it neither counts among the newest kept nor supersedes anything yet.
-        Returns how many were deleted."""
+        Returns how many were deleted (none when not `act`)."""
+        if not self.act:
+            return 0
         kv = self.journal.get_all()
         if (kv.get("nan_pending") or {}).get("step") is not None:  # a NaN seen, not yet quarantined: keep all
             return 0
@@ -244,7 +262,9 @@ class CheckpointTracker:
     def quarantine(self, from_step: int, attempt_n: int, tag: str = "nan", cause: str = "") -> None:
         """Checkpoints from `from_step` on (the NaN's step, a save on the SIGTERM that stopped the attempt, say;
         or, tag "suspect", the onset of a divergence) may hold poisoned weights: move them out of the resume
-        path, keeping the data for a person. `cause` says what they were written at or after."""
+        path, keeping the data for a person. `cause` says what they were written at or after. Not when not `act`."""
+        if not self.act:
+            return
         for d in sorted(self.out.glob("checkpoint-*")):
             m = checkpoints.CKPT_RE.fullmatch(d.name) or checkpoints.MERGED_RE.fullmatch(d.name)
             if m and step_of(d) >= from_step:
