@@ -90,6 +90,7 @@ class Watch:
                                max_crashes_per_hour=recipe.supervisor.max_crashes_per_hour)
         self.heartbeat = Heartbeat(Notifier.from_env(), clock=self.host.monotonic)
         self.advised: set[tuple[str, str]] = set()
+        self.poisoned = False             # a NaN was logged: nothing more is published
         self.blocked = ""                 # run health advised a stop or rollback: no automatic take-over
         self.hang_step: int | None = None  # the last step when the hang was advised (a new step re-arms it)
         self.attempt: AttemptWatch | None = None
@@ -164,8 +165,8 @@ class Watch:
             obs = self.observer.observe(a)
             self.health.record(obs.health)
             self._advise_checkpoints(a)
-            if a.bad_step is not None and not journal.get_all().get("nan_pending"):
-                journal.put(nan_pending={"attempt": a.n, "step": a.bad_step})  # what `run` quarantines
+            if a.bad_step is not None and not self.poisoned:
+                self._poisoned(a)
             v = judge(as_judged(obs))
             journal.put(updated_at=self.host.now(), **({"step": a.last.step} if a.last else {}))
             match v:
@@ -194,14 +195,25 @@ class Watch:
                 continue
             return self._exited(a, v)
 
+    def _poisoned(self, a: AttemptWatch) -> None:
+        """A NaN/Inf was logged: the saves from then on may hold poisoned weights. `run` would quarantine them
+        (the pending mark tells the next `run` to); nothing more is published meanwhile."""
+        self.poisoned = True
+        self.ctx.journal.put(nan_pending={"attempt": a.n, "step": a.bad_step})
+        self.ctx.publisher.stop(final_sync=False)
+        self.ctx.journal.event("publish", f"publishing stopped: NaN/Inf logged at step {a.bad_step}; the saves from "
+                               "then on may hold poisoned weights")
+
     # --- advice -------------------------------------------------------------------------------
     def _at(self, a: AttemptWatch, **more) -> At:
         s = self.recipe.supervisor
-        return At(self.recipe_arg, a.launched.pid, self._resume_step(), s.wait, s.wait_s, nan_step=a.bad_step,
+        return At(self.recipe_arg, a.launched.pid, self._resume_step(a), s.wait, s.wait_s, nan_step=a.bad_step,
                   **more)
 
-    def _resume_step(self) -> int | None:
-        step = self.ctx.checkpoints.newest_good_step()
+    def _resume_step(self, a: AttemptWatch) -> int | None:
+        """The newest verified checkpoint saved before any NaN: where `run` would relaunch from."""
+        self.observer.scan(force=True)
+        step = self.ctx.checkpoints.newest_good_step(a.bad_step - 1 if a.bad_step is not None else None)
         return step if step >= 0 else None
 
     def _say(self, what, a: AttemptWatch, **more) -> Advice:
@@ -320,8 +332,10 @@ class Watch:
         ctx = self.ctx
         if ctx.closed:
             return
-        ctx.checkpoints.close()
-        ctx.publisher.stop(final_sync=True)
+        ctx.checkpoints.close()  # the manifests and content checks still running: what they find is advised
+        if self.attempt is not None:
+            self._advise_checkpoints(self.attempt)
+        ctx.publisher.stop(final_sync=not self.poisoned)
         self.ticker.housekeeping(goodput_now=True)
         self.metrics.set_state(state)
         ctx.journal.put(state=state.value, exit_reason=self.exit_reason, updated_at=self.host.now(), watching=None)
