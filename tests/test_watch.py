@@ -142,3 +142,27 @@ def test_a_nan_is_advised_and_every_checkpoint_left_in_place(tmp_path, procs):
     # `run` acts on the advice: the NaN's checkpoints set aside, the relaunch from checkpoint-10
     code, sup = supervise(r, healthy=False)
     assert code == 0 and attempts(out)[-1].resumed_from.endswith("checkpoint-10")
+
+
+def one_error(p: subprocess.CompletedProcess) -> str:
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("orchestrator: error: "), p.stderr
+    return lines[0]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, procs):
+    r = fake_recipe(tmp_path)
+    assert "no running megatron/swift sft" in one_error(cli("watch", str(r)))
+    assert "no running" in one_error(cli("watch", str(r), "--pid", str(os.getpid())))
+    assert "recipe file not found" in one_error(cli("watch", str(tmp_path / "missing.toml")))
+    first, _ = start_by_hand(r)
+    procs.append(first)
+    assert "cannot read" in one_error(cli("watch", str(r), "--log", str(tmp_path / "nope.log")))
+    second, _ = start_by_hand(r)
+    procs.append(second)
+    line = one_error(cli("watch", str(r)))
+    assert f"pids {first.pid}, {second.pid}" in line and "--pid" in line
+    (tmp_path / "b").mkdir()
+    other = fake_recipe(tmp_path / "b")
+    assert "not to the recipe's run.output_dir" in one_error(cli("watch", str(other), "--pid", str(first.pid)))
+    assert not events(tmp_path / "out")  # nothing opened

@@ -108,7 +108,7 @@ def describe(pid: int) -> Candidate | None:
 
 def output_files(pid: int) -> list[Path]:
     """The regular files the process's stdout and stderr go to (one when both go to the same file); [] when
-    they are a terminal, a pipe or unreadable."""
+    they are a terminal, a pipe, a deleted file or unreadable."""
     out: list[Path] = []
     for fd in (1, 2):
         try:
@@ -117,7 +117,9 @@ def output_files(pid: int) -> list[Path]:
                 continue
         except OSError:
             continue
-        path = Path(target.removesuffix(" (deleted)"))
+        path = Path(target)
+        if not path.is_file():  # deleted since, or an unnamed temporary file: nothing to read by name
+            continue
         if path not in out:
             out.append(path)
     return out
