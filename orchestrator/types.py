@@ -56,10 +56,12 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 
 
 class AttemptKind(StrEnum):
-    """What one launch runs: the training, or (checkpoint.merge = "final") the export of its last checkpoint."""
+    """What one launch runs: the training, or (checkpoint.merge = "final") the export of its last checkpoint; or
+    a training someone started by hand that `orchestrator watch` observes (no launch of ours)."""
 
     TRAIN = "train"
     EXPORT = "export"
+    OBSERVED = "observed"
 
 
 class CrashClass(StrEnum):

@@ -125,6 +125,8 @@ class Metrics:
                             ("state",))
         self._crashes = counter("orchestrator_crashes", "Trainer crashes, by crash class.", ("class",))
         self._restarts = counter("orchestrator_restarts", "Trainer relaunches after a crash or hang.")
+        self._advice = counter("orchestrator_advice", "Watch mode (`orchestrator watch`): what `run` would have "
+                               "done about a verdict, advised instead, by action.", ("action",))
         gauge("orchestrator_max_crashes_per_hour",
               "The recipe's supervisor.max_crashes_per_hour: more crashes in an hour (port_in_use aside) "
               "is a crash loop.").set(max_crashes_per_hour)
@@ -275,6 +277,9 @@ class Metrics:
 
     def crash(self, cls: CrashClass) -> None:
         self._crashes.labels(CrashClass(cls).value).inc()
+
+    def advice(self, action: str) -> None:
+        self._advice.labels(action).inc()
 
     def restart(self) -> None:
         self._restarts.inc()

@@ -55,6 +55,7 @@ class RunContext:
     save_gib: float
     metrics_port: int | None        # None: metrics disabled, or their port was taken
     completed_before: bool          # an earlier supervisor completed this recipe: nothing to launch
+    acting: bool = True             # False (`orchestrator watch`): set-asides are recorded, never moved
     closed: bool = False
 
     def set_aside(self, from_step: int, reason: SetAsideReason, attempt_n: int, cause: str) -> None:
@@ -69,17 +70,18 @@ class RunContext:
         then the published ones (the sync lock waited for at most `wait_s`: a request the lock refuses is retried
         on a later call). `busy`: a trainer is alive, launched from these directories: a checkpoint range waits for
         it to stop and its launch directory is never renamed; `local` False: published copies only. A request is
-        cleared when both parts are done, and a NaN's `nan_pending` with the last NaN request. Returns True when
-        no request is left."""
+        cleared when both parts are done, and a NaN's `nan_pending` with the last NaN request. Not `acting`
+        (watch mode): nothing moves. Returns True when no request is left."""
         st = self.standings
-        for req in list(st.pending):
+        for req in list(st.pending) if self.acting else ():
             if local and not req.local_done and (busy is None or req.only_step):
                 self.checkpoints.set_aside_local(req, busy or frozenset())
             now = st.current(req)
             if now is not None and now.local_done and not now.published_done \
                     and self.publisher.set_aside_published(now, wait_s):
                 st.progressed(now, published=True)
-        if not any(p.reason is SetAsideReason.NAN for p in st.pending) and self.journal.get_all().get("nan_pending"):
+        if self.acting and not any(p.reason is SetAsideReason.NAN for p in st.pending) \
+                and self.journal.get_all().get("nan_pending"):
             self.journal.put(nan_pending=None)
         return not st.pending
 
@@ -92,11 +94,14 @@ class RunContext:
 
 
 def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
-             echo: Callable[[str], None] | None = None) -> RunContext:
+             echo: Callable[[str], None] | None = None, act: bool = True) -> RunContext:
     """Opens a run for supervision (see the module docstring); raises RecipeError on a stopping pre-flight
-    check, and the lock's error when another supervisor holds this run."""
+    check, and the lock's error when another supervisor holds this run. `act` False (`orchestrator watch` of a
+    trainer started by hand): the run stays in output_dir whatever the drift (the trainer writes there), no
+    pre-flight check stops it (the trainer holds the GPUs and the port), nothing is stopped, renamed or deleted
+    (an open attempt row is closed, its trainer left alone; a pending NaN waits for `run`)."""
     r = recipe
-    placement = place(r.run.output_dir, hash_, semantic_view(r), r.run.on_drift)
+    placement = place(r.run.output_dir, hash_, semantic_view(r), r.run.on_drift if act else "resume")
     if placement.output_dir != Path(r.run.output_dir):
         r = r.model_copy(update={"run": r.run.model_copy(update={"output_dir": str(placement.output_dir)})})
     out = Path(r.run.output_dir)
@@ -113,22 +118,22 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
         opened.callback(publish_lock.release)
         if placement.note:
             journal.event("drift", placement.note, keys=list(placement.drifted_keys))
-        failed = preflight.stoppers(preflight.checks(r, host.gpu_snapshot()))
+        failed = preflight.stoppers(preflight.checks(r, host.gpu_snapshot())) if act else []
         if failed:
             raise RecipeError("; ".join(f"pre-flight {c.name}: {c.detail}" for c in failed))
-        _stop_predecessor(r, host, journal, run_id(out))
+        _stop_predecessor(r, host, journal, run_id(out), act)
         # the publisher starts at the end, after any quarantine, so it never publishes a poisoned checkpoint
         standings = Standings(journal)
         publisher = Publisher(r, hash_, journal, metrics, standings)
         checkpoints = CheckpointTracker(r, hash_, out, journal, metrics, on_saved=publisher.trigger,
-                                        in_flight=publisher.in_flight, standings=standings)
+                                        in_flight=publisher.in_flight, standings=standings, act=act)
         previous = journal.get_all()
         earlier = journal.attempts()
         budget, _ = preflight.storage_budget(r)
         save_gib = sum(budget.per_save_bytes.values()) / GIB
         ctx = RunContext(
             recipe=r, out=out, state_dir=state_dir(out), run_id=run_id(out), lock=lock, journal=journal,
-            publish_lock=publish_lock, publisher=publisher, checkpoints=checkpoints, standings=standings,
+            publish_lock=publish_lock, publisher=publisher, checkpoints=checkpoints, standings=standings, acting=act,
             intervals=SaveIntervals(r, journal, metrics, run_id(out), save_gib * GIB,
                                     (budget.step_time_s, budget.step_time_source),
                                     storage.background_bytes(r, budget.per_save_bytes)),
@@ -142,7 +147,7 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
         if pending and not standings.pending:  # an earlier release saw a NaN and was killed before its quarantine
             standings.request(SetAside(pending["step"], SetAsideReason.NAN, pending["attempt"],
                                        f"written at or after the NaN at step {pending['step']}"))
-        ctx.apply_set_asides()  # what a predecessor requested: its trainer is stopped now
+        ctx.apply_set_asides()  # what a predecessor requested: its trainer is stopped now (watch: left for `run`)
         metrics.set_info(r.run.name, hash_, r.run.backend, Path(r.model.path).name)
         if r.metrics.enabled:
             try:
@@ -157,10 +162,15 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
     return ctx
 
 
-def _stop_predecessor(r: Recipe, host: Host, journal: Journal, run: str) -> None:
+def _stop_predecessor(r: Recipe, host: Host, journal: Journal, run: str, act: bool = True) -> None:
     """Stops the trainer a supervisor killed with -9 left running (never two trainings on the GPUs) and closes
-    the attempt row it left open."""
+    the attempt row it left open (not `act`: only closes the row)."""
     last = journal.last_attempt()
+    if not act:
+        if last and last.ended_at is None:
+            journal.record_attempt(replace(last, ended_at=host.now(), evidence=(
+                "a supervisor or watcher ended while this attempt ran",)))
+        return
     pgids = {last.pid} if last and last.ended_at is None and last.pid and \
         host.alive(last.pid, last.pid_start_time) else set()
     leftovers = host.leftovers(run)

@@ -1,4 +1,4 @@
-"""Command line: import, plan, run, demo, status, history, classify, verify, sync, report, simulate, install-service.
+"""Command line: import, plan, run, watch, demo, status, history, classify, verify, sync, report, simulate, install-service.
 
 Exit codes: 0 ok, 1 internal error, 2 bad input (nothing launched), 3 gave up. Every command that
 takes a recipe takes `--set dotted.key=value` overrides, validated like the file.
@@ -85,6 +85,31 @@ def run(recipe: Path, overrides: tuple[str, ...]) -> None:
     """Run RECIPE supervised: launch, watch, classify, recover, restart, until done."""
     r = load_recipe(recipe, overrides)
     sys.exit(int(supervise(r)))
+
+
+@main.command(name="watch")
+@RECIPE
+@SET
+@click.option("--log", "logs", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="A file the trainer's output goes to (default: its stdout/stderr file, through /proc).")
+@click.option("--pid", type=int, help="The trainer's pid, when several write to the recipe's output_dir.")
+@click.option("--take-over", "take_over", is_flag=False, flag_value="crash", default=None,
+              type=click.Choice(["crash", "hang"]), metavar="[=hang]",
+              help="When the trainer ends badly, supervise the run from there (=hang: also stop a hung one).")
+def watch_cmd(recipe: Path, overrides: tuple[str, ...], logs: tuple[Path, ...], pid: int | None,
+              take_over: str | None) -> None:
+    """Watch a trainer started by hand (nohup, tmux): judge it as `run` would and advise; launch, signal,
+    rename or delete nothing unless --take-over. Exit 0: completed; 3: ended badly; 2: bad input."""
+    from orchestrator.ops.report import summary
+    from orchestrator.ops.watching import BadInput, watch
+
+    r = load_recipe(recipe, overrides)
+    try:
+        code = watch(r, str(recipe), logs, pid, take_over, echo=lambda line: click.echo(line, err=True))
+    except (BadInput, RecipeError) as e:
+        fail(str(e), problems=getattr(e, "problems", ()))
+    click.echo(summary(r))
+    sys.exit(int(code))
 
 
 def supervise(r: Recipe, on_start=None) -> ExitCode:

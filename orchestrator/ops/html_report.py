@@ -323,6 +323,13 @@ def events_list(events: list[dict]) -> str:
     return f"<table><tr><th>time</th><th>kind</th><th>message</th></tr>{rows}</table>"
 
 
+def advice_list(advice: list[dict]) -> str:
+    """Watch mode: what `run` would have done, with the command that does it."""
+    rows = "".join(f"<tr><td>{e(time.strftime('%H:%M:%S', time.localtime(a['at'])))}</td><td>{e(a['action'])}</td>"
+                   f"<td class=ev>{e(a['text'])}</td><td><code>{e(a['command'])}</code></td></tr>" for a in advice)
+    return f"<table><tr><th>time</th><th>action</th><th>advice</th><th>to act</th></tr>{rows}</table>"
+
+
 def render(d: dict) -> str:
     steps = f"{d['step'] if d['step'] is not None else '?'} / {d['max_steps'] or '?'}"
     meta = [("recipe hash", d["recipe_hash"]), ("backend", d["backend"]), ("model", d["model"]),
@@ -343,6 +350,7 @@ def render(d: dict) -> str:
         "<h2>Throughput</h2>", throughput_chart(d),
         "<h2>Goodput</h2>", goodput_section(d["goodput"]),
         *(["<h2>Costs</h2>", costs_section(d["costs"])] if d.get("costs") else []),
+        *(["<h2>Advice</h2>", advice_list(d["advice"])] if d.get("advice") else []),
         "<h2>Attempts</h2>", attempts_table(d["attempts"]),
         "<h2>Recent events</h2>", events_list(d["events"]),
         "</body></html>\n",

@@ -116,7 +116,7 @@ def history_data(r: Recipe, j: Journal) -> dict:
             "output_dir": str(output_dir_of(r, kv)), "attempts": [attempt_row(a) for a in rows],
             "costs": costs_data(rows, kv),
             # every health event with its numbers (first_step, last_step, window, level, threshold, value, ...)
-            "health": j.events_of(HEALTH_KINDS),
+            "health": j.events_of(HEALTH_KINDS), "advice": advice_of(j),
             "goodput": goodput_dict(goodput_of(j)),
             "sync": sync_state(r, ckpts := j.checkpoints(), time.time(), synced_steps(ckpts, published_steps(r, kv)),
                                kv.get("recipe_hash"))}
@@ -126,14 +126,19 @@ def history_table(data: dict) -> str:
     rows = [f"{'#':>3} {'exit':>8} {'class':<20} {'steps':<13} resumed from"]
     for a in data["attempts"]:
         ex = f"sig {a['signal']}" if a["signal"] is not None else ("" if a["exit_code"] is None else str(a["exit_code"]))
+        observed = a.get("kind") == "observed"   # watched, not launched: where it started is not known
         steps = ("export" if a.get("kind") == "export" else
-                 f"{a['start_step'] or 0}->{a['end_step'] if a['end_step'] is not None else '?'}")
-        rows.append(f"{a['n']:>3} {ex:>8} {a['class'] or '-':<20} {steps:<13} {a['resumed_from'] or '-'}")
+                 f"{'?' if observed and a['start_step'] is None else a['start_step'] or 0}->"
+                 f"{a['end_step'] if a['end_step'] is not None else '?'}")
+        rows.append(f"{a['n']:>3} {ex:>8} {a['class'] or '-':<20} {steps:<13} "
+                    + ("(observed: started by hand)" if observed else a['resumed_from'] or '-'))
     g = data["goodput"]
     lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in g["lost_s"].items() if v >= LOST_SHOWN_S)
     rows.append(f"goodput {g['ratio']:.1%} of {fmt_duration(g['total_s'])}" + (f" (lost: {lost})" if lost else ""))
     for ev in data.get("health", []):
         rows.append(f"health: {ev['kind']}: {ev['message']}")
+    for adv in data.get("advice", []):
+        rows.append(f"advice: {adv['text']} (to act: {adv['command']})")
     if "costs" in data:
         rows.append(f"costs: {costs_line(data['costs'])}")
     if (s := data.get("sync", {})).get("enabled"):
@@ -242,7 +247,15 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
         "fraction": min(1.0, step / max_steps) if step is not None and max_steps else None,
         "step_s": step_s, "eta_s": eta, "loss": loss_summary(records), "sync": sync,
         "goodput_detail": goodput_dict(g, 3), "costs": costs_data(attempts, kv),
+        # watch mode (`orchestrator watch`): the trainer watched, and what `run` would have done
+        "watching": kv.get("watching"), "advice": advice_of(j),
     }
+
+
+def advice_of(j: Journal) -> list[dict]:
+    """Watch mode's advice events, oldest first: what `run` would have done, and the command that does it."""
+    return [{"at": ev["at"], "action": ev["data"].get("action"), "text": ev["message"],
+             "command": ev["data"].get("command")} for ev in j.events_of(("advice",))]
 
 
 def fmt_duration(s: float | None) -> str:
@@ -313,7 +326,7 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
                         for c in j.checkpoints()],
         "attempts": [attempt_row(a) for a in attempts],
         "goodput": st["goodput_detail"], "sync": st["sync"], "events": j.events(30), "costs": st["costs"],
-        "health": j.events_of(HEALTH_KINDS),
+        "health": j.events_of(HEALTH_KINDS), "advice": st["advice"],
     }
 
 

@@ -81,6 +81,10 @@ def status_renderable(d: dict):
         last = h["last"]
         t.add_row("health", Text.assemble((", ".join(f"{k} ×{n}" for k, n in h["counts"].items()), "bold yellow"),
                                           f"  last: {last['kind']}: {last['message'][:160]}"))
+    if d.get("watching"):
+        t.add_row("watching", Text(f"pid {d['watching']} (started by hand; `orchestrator watch` advises)", style="cyan"))
+    for adv in d.get("advice", [])[-3:]:
+        t.add_row("advice", Text.assemble((adv["text"][:200], "bold yellow"), f"  to act: {adv['command']}"))
     events = Table.grid(padding=(0, 1))
     for e in d["events"][-5:]:
         events.add_row(Text(time.strftime("%H:%M:%S", time.localtime(e["at"])), style="dim"),

@@ -31,10 +31,14 @@ FINDING_REASON = {checkpoint_health.CHECKPOINT_NONFINITE: SetAsideReason.NONFINI
 
 class CheckpointTracker:
     def __init__(self, recipe: Recipe, recipe_hash: str, out: Path, journal: Journal, metrics: Metrics,
-                 on_saved: Callable[[], None], in_flight: InFlight | None = None, standings: Standings | None = None):
+                 on_saved: Callable[[], None], in_flight: InFlight | None = None, standings: Standings | None = None,
+                 act: bool = True):
         """`on_saved`: a healthy checkpoint is ready to publish. `in_flight`: the checkpoint the publisher is
-        copying, never pruned or moved. `standings`: the owner of each checkpoint's standing (the run's)."""
-        self.recipe, self.hash, self.out = recipe, recipe_hash, out
+        copying, never pruned or moved. `standings`: the owner of each checkpoint's standing (the run's). `act`
+        False (`orchestrator watch`): nothing of the run is renamed or deleted; an unhealthy checkpoint is set aside
+        in standing only (never resumed from or published; `run` moves it later) and listed in `left_in_place`."""
+        self.recipe, self.hash, self.out, self.act = recipe, recipe_hash, out, act
+        self.left_in_place: list[checkpoint_health.HealthFinding] = []  # act False: what a supervisor would move
         self.in_flight = in_flight or InFlight()
         self.journal, self.metrics, self.on_saved = journal, metrics, on_saved
         self.standings = standings if standings is not None else Standings(journal)
@@ -52,7 +56,7 @@ class CheckpointTracker:
         self.checks: dict[str, Future] = {}   # path -> its manifest + content check, submitted, not applied yet
         self.checked: list[tuple[str, int, float | None, object]] = []  # (path, step, saved_at, finding or error)
         self.checked_lock = threading.Lock()
-        for left in out.glob(f"{PRUNING}*"):  # a supervisor killed mid-delete: finish what it had decided
+        for left in out.glob(f"{PRUNING}*") if act else ():  # a supervisor killed mid-delete: finish its decision
             shutil.rmtree(left, ignore_errors=True)
 
     def scan(self, now: float) -> None:
@@ -155,7 +159,11 @@ class CheckpointTracker:
         self.journal.record_checkpoint(f.step, f.path, False, f.problems, None, self.hash)
         self._verdict(f.step, False, f.problems)
         self.metrics.checkpoint_invalid()
-        self.journal.event(f.kind, f"{f.problems[0]}; set aside as {Path(f.path).name}.{reason.tag}", **f.data)
+        if self.act:
+            self.journal.event(f.kind, f"{f.problems[0]}; set aside as {Path(f.path).name}.{reason.tag}", **f.data)
+        else:
+            self.left_in_place.append(f)
+            self.journal.event(f.kind, f"{f.problems[0]}; left in place (watch mode)", **f.data)
         self.metrics.health_event(f.kind)
 
     def set_aside_local(self, req: SetAside, busy: frozenset[str] = frozenset()) -> bool:
@@ -253,7 +261,9 @@ class CheckpointTracker:
         checkpoint namespace first, so a kill -9 mid-delete leaves no half checkpoint under its name.
         `trusted_through`: the last step read from the trainer's log without a NaN; a save after it may hold
         poisoned weights, so it neither counts among the newest kept nor supersedes anything yet.
-        Returns how many were deleted."""
+        Returns how many were deleted (none when not `act`)."""
+        if not self.act:
+            return 0
         kv = self.journal.get_all()
         if (kv.get("nan_pending") or {}).get("step") is not None or any(not p.local_done for p in self.standings.pending):
             return 0  # a NaN seen or checkpoints to set aside, not moved yet: keep all
@@ -333,7 +343,7 @@ class CheckpointTracker:
     def close(self) -> None:
         self.hasher.shutdown(wait=True)  # manifests and checks first: the final sync publishes the healthy ones
         self.apply_checks()
-        for req in list(self.standings.pending):  # no trainer is left to write them: the local copies move
+        for req in list(self.standings.pending) if self.act else ():  # no trainer is left: the local copies move
             if not req.local_done:
                 self.set_aside_local(req)
 
