@@ -32,6 +32,7 @@ _PROCESSES, _NODES = ("NPROC_PER_NODE", "parallel.nproc_per_node"), ("NNODES", "
 LAUNCHER_COUNTS = {"nproc_per_node": _PROCESSES, "num_processes": _PROCESSES, "num_gpus": _PROCESSES,
                    "num_accelerators": _PROCESSES, "nnodes": _NODES, "num_machines": _NODES, "num_nodes": _NODES}
 _COUNT_KEYS = dict((_PROCESSES, _NODES))   # the variables with the same meaning: variable -> recipe key
+COUNT_VARS = frozenset(_COUNT_KEYS)
 _RENDEZVOUS = {"node_rank", "machine_rank", "master_addr", "master_port", "main_process_ip", "main_process_port"}
 # launcher options that point at a file (or host list) holding the layout, which import does not open
 _ELSEWHERE = {"config_file": "the launch configuration in it (processes, machines, FSDP / DeepSpeed settings)",
@@ -48,6 +49,19 @@ def _pythonpath(value: str) -> str | None:
     return (f"{', '.join(relative)} is relative to the directory the script ran from (ms-swift 2.x's examples "
             "point it at their checkout), which the orchestrator's launch does not share: set env.vars.PYTHONPATH "
             "to absolute paths if the run needs them")
+
+
+def unset_count(name: str, backend: str, parallel: dict) -> str | None:
+    """Says why the launch leaves the count variable `name` unset for a count of 1, or returns None when it is set
+    (the renderer's rule: NPROC_PER_NODE for several processes, several nodes or Megatron; NNODES for several
+    nodes)."""
+    if name == "NNODES":
+        return None if parallel.get("nnodes", 1) > 1 else ("one node; the orchestrator sets NNODES at launch only for "
+                                                            "several nodes")
+    if backend == "megatron" or parallel.get("nproc_per_node", 1) > 1 or parallel.get("nnodes", 1) > 1:
+        return None
+    return ("one process; the orchestrator launches `swift sft` without NPROC_PER_NODE (ms-swift then runs it "
+            "directly rather than under torchrun with one process: the same training)")
 
 
 def environment(out: Imported, t: Training) -> None:
@@ -67,6 +81,9 @@ def environment(out: Imported, t: Training) -> None:
         else:  # CUDA_VISIBLE_DEVICES too: the GPUs the orchestrator verifies clear before each launch
             out.set(f"env.vars.{name}", value)
             out.mapped.append({"flag": name, "value": value, "key": f"env.vars.{name}"})
+    for name in [n for n in _COUNT_KEYS if n in t.env]:  # after the loop: the note depends on both counts
+        if (why := unset_count(name, out.recipe["run"]["backend"], out.recipe["parallel"])) is not None:
+            out.notes.append(f"{name}={t.env[name]} -> {_COUNT_KEYS[name]} = 1: {why}")
     launcher = t.form.removesuffix(" sft")
     for opt, value in t.launcher:
         flag = f"{launcher} --{opt}"

@@ -88,8 +88,10 @@ def import_script(text: str, source: str, output: Path | None, variables: dict[s
     recipe, where = _validated(toml, where, imported)
     cmd = render_command(recipe, None, 29500, 10)
     lost = round_trip_problems(t, imported, cmd.argv, cmd.env, where)
-    if lost:  # a bug in the importer, never the user's input: exit 1 with what was lost
-        raise RuntimeError("import lost flags without saying why: " + "; ".join(lost))
+    if lost:  # a bug in the importer, not the user's input: refused rather than a recipe that silently differs
+        raise ImportRefused([f"line {t.line}: the recipe would not carry {'; '.join(lost)}, and import has no reason "
+                             "to drop it: nothing written (a bug in `orchestrator import`: please report it with the "
+                             "script); write the recipe by hand (`orchestrator demo` shows one)"])
     report = {"recipe": imported.recipe, "output": str(output) if output else None, "mapped": imported.mapped,
               "renamed": imported.renamed, "dropped": imported.dropped, "unresolved": [], "notes": imported.notes,
               "ignored": list(t.others)}
