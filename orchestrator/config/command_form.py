@@ -50,6 +50,7 @@ class Training:
     line: int
     launcher: tuple[tuple[str, str], ...] = ()
     others: tuple[str, ...] = field(default=())  # the script's other ms-swift commands, ignored
+    launch: tuple[str, ...] = ()  # wrappers, redirections, a pipe and `&` around it, as written (launch_wrappers)
 
 
 _SUB = {"sft": "sft", "pt": "pre-training (`pt`)", "rlhf": "RLHF (`rlhf`)", "infer": "inference (`infer`)",
@@ -170,10 +171,11 @@ def find_training(cmds: list[Command]) -> tuple[Training, Command]:
     _continued(c, cmds)
     if c.unresolved:
         names = ", ".join(f"${n}" for n in c.unresolved)
-        raise ImportRefused([f"{_where(c)}: no value for {names}: give each with --var NAME=VALUE"],
-                            unresolved=c.unresolved)
+        why = f" ({'; '.join(c.why)})" if c.why else ""
+        raise ImportRefused([f"{_where(c)}: no value for {names}{why}: give each with --var NAME=VALUE (e.g. "
+                             f"--var {c.unresolved[0]}=...)"], unresolved=c.unresolved)
     return Training(backend, f"{prog} sft", parse_flags(argv, c), dict(c.env), c.line, launcher,
-                    tuple(others)), c
+                    tuple(others), c.launch), c
 
 
 def _continued(c: Command, cmds: list[Command]) -> None:
@@ -188,23 +190,11 @@ def _continued(c: Command, cmds: list[Command]) -> None:
                               f"{c.line} stops there and bash runs the flags from line {n} on apart; add the `\\`")])
 
 
-_REDIRECT = re.compile(r"^\d*(>>?|<|>&|&>>?)(.*)$")
-
-
 def parse_flags(argv: tuple[str, ...], c: Command) -> tuple[Flag, ...]:
-    """`--name v ...` / `--name=v` words as Flags (redirections dropped); ImportRefused for a positional word
-    before the first flag (a config file) and for a paste cut off mid-flag."""
-    words: list[str] = []
-    it = iter(argv)
-    for w in it:
-        m = _REDIRECT.match(w)
-        if m:
-            if not m.group(2):
-                next(it, None)
-            continue
-        words.append(w)
+    """`--name v ...` / `--name=v` words as Flags (shell_script took the redirections off); ImportRefused for a
+    positional word before the first flag (a config file) and for a paste cut off mid-flag."""
     out: list[Flag] = []
-    for w in words:
+    for w in argv:
         if w and not w.strip():
             raise ImportRefused([(f"{_where(c)}: a `\\` followed by a space, not by the end of the line: bash passes a "
                                   "lone space as an argument, which ms-swift rejects; a multi-line command pasted onto "

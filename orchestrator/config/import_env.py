@@ -7,7 +7,7 @@ from __future__ import annotations
 import typing
 
 from orchestrator.config import flags as F
-from orchestrator.config.command_form import Training
+from orchestrator.config.command_form import ImportRefused, Training
 from orchestrator.config.import_values import convert
 
 
@@ -51,6 +51,15 @@ def _pythonpath(value: str) -> str | None:
             "to absolute paths if the run needs them")
 
 
+def _count(what: str, value: str, t: Training) -> int:
+    """The process or node count `what` gives; ImportRefused naming the line when it is not a whole number."""
+    try:
+        return int(convert((value,), int))  # type: ignore[call-overload]
+    except ValueError as e:
+        raise ImportRefused([f"line {t.line}: {what}={value}: {e} (a process or node count); set it to the number "
+                             "you mean, or leave it out for one"]) from None
+
+
 def unset_count(name: str, backend: str, parallel: dict) -> str | None:
     """Says why the launch leaves the count variable `name` unset for a count of 1, or returns None when it is set
     (the renderer's rule: NPROC_PER_NODE for several processes, several nodes or Megatron; NNODES for several
@@ -69,7 +78,7 @@ def environment(out: Imported, t: Training) -> None:
     the reason."""
     for name, value in t.env.items():
         if name in _COUNT_KEYS:
-            out.set(_COUNT_KEYS[name], convert((value,), int))
+            out.set(_COUNT_KEYS[name], _count(name, value, t))
             out.mapped.append({"flag": name, "value": value, "key": _COUNT_KEYS[name]})
         elif name in OWNED_ENV - {"CUDA_VISIBLE_DEVICES"}:
             out.drop(name, value, _LAUNCH_WHY)
@@ -91,7 +100,7 @@ def environment(out: Imported, t: Training) -> None:
         if var and var in t.env:
             out.drop(flag, value, f"{var}={t.env[var]} is given too and sets {key}")
         elif var:
-            out.set(key, convert((value,), int))
+            out.set(key, _count(flag, value, t))
             out.mapped.append({"flag": flag, "value": value, "key": key})
         elif opt in _RENDEZVOUS or opt.startswith("rdzv"):
             out.drop(flag, value, _LAUNCH_WHY)

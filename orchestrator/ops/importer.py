@@ -56,7 +56,8 @@ def recipe_text(data: dict, source: str, t: Training, imported: Imported) -> str
         head.append("# Not carried over (see `orchestrator import --json` for the whole report):")
         head += [f"#   {d['flag']} {d['value']}".rstrip() + f": {d['reason']}" for d in imported.dropped]
     head += [f"# Note: {n}" for n in imported.notes]
-    return "\n".join(head) + "\n\n" + to_toml(_ordered(data))
+    # one line each: a TOML comment holds no line break or control character, whatever the paste had in a value
+    return "\n".join(one_line(h) for h in head) + "\n\n" + to_toml(_ordered(data))
 
 
 def _from_flags(problems: tuple[R.Problem, ...], imported: Imported) -> list[str]:
@@ -161,13 +162,19 @@ def refusal_json(e: ImportRefused, source: str) -> str:
                        "unresolved": list(e.unresolved)}, indent=2)
 
 
+def one_line(text: str) -> str:
+    """`text` with its line breaks and other unprintable characters escaped (`\\n`, `\\x0c`), so that a message
+    quoting a pasted value stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(script: str, output: Path | None, variables: tuple[str, ...], force: bool, as_json: bool) -> int:
     """The `import` command: read SCRIPT (- is stdin), write the recipe (or print it), report; the exit code."""
     def refuse(e: ImportRefused) -> int:
         if as_json:
             click.echo(refusal_json(e, script))
         # one message, however many problems: each is named in it (and listed apart in --json)
-        click.echo(f"orchestrator: error: {script}: {'; '.join(e.problems)}", err=True)
+        click.echo(one_line(f"orchestrator: error: {script}: {'; '.join(e.problems)}"), err=True)
         return 2
 
     given: dict[str, str] = {}
