@@ -121,7 +121,7 @@ def translate(t: Training, run_name: str) -> Imported:
     use_megatron = [f for f in t.flags if f.name == "use_megatron"]
     if t.form == "swift sft" and use_megatron and _switch(use_megatron[-1]):
         backend = "megatron"  # `swift sft --use_megatron true`: what the author meant is `megatron sft`
-    out = Imported({"run": {"name": run_name, "backend": backend}})
+    out = Imported({"run": {"name": run_name, "backend": backend}}, notes=list(t.notes))
     problems: list[str] = []
     keys = recipe_keys(backend)
     given: dict[str, tuple[Flag, str]] = {}
