@@ -20,7 +20,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 SOURCES = sorted([*(FIXTURES / "commands").glob("*.sh"), *(FIXTURES / "ms-swift-old").rglob("*.sh"),
                   *(FIXTURES / "ms-swift" / "examples").rglob("*.sh"), FIXTURES / "field" / "397b-command.sh"])
 TEXTS = [p.read_text(encoding="utf-8") for p in SOURCES]
-EXAMPLES = int(os.environ.get("ORCHESTRATOR_IMPORT_FUZZ", "300"))
+EXAMPLES = int(os.environ.get("ORCHESTRATOR_IMPORT_FUZZ", "800"))
 
 # what a paste or an edit puts into a script
 _PIECES = ["'", '"', "\\", "\\\n", " \\ ", "#", " # note", "\n", "\t", "é", "中文", "\u00a0", "\u200b", "“", "”",

@@ -65,3 +65,16 @@ def test_the_self_check_refuses_with_one_line_instead_of_a_traceback(monkeypatch
                            catch_exceptions=False)
     assert r.exit_code == 2 and r.stderr.count("orchestrator: error:") == 1, r.output
     assert "line 1: the recipe would not carry --lora_rank 8" in r.stderr and "please report it" in r.stderr
+
+
+def test_an_offload_fraction_without_the_offload_is_dropped_as_a_no_op():
+    # found by the fuzz test: the field command with its --optimizer_cpu_offload line dropped
+    text = ("megatron sft --model /m --dataset d --tuner_type lora --train_iters 5 --optimizer_offload_fraction 1.0\n")
+    r = CliRunner().invoke(main, ["import", "-", "--json"], input=text, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert "optimizer_offload_fraction" not in report["recipe"].get("memory", {})
+    assert any(d["flag"] == "--optimizer_offload_fraction" and "no-op" in d["reason"] for d in report["dropped"])
+    r = CliRunner().invoke(main, ["import", "-", "--json"], input=text.replace("\n", " --optimizer_cpu_offload true\n"),
+                           catch_exceptions=False)
+    assert json.loads(r.stdout)["recipe"]["memory"]["optimizer_offload_fraction"] == 1.0

@@ -273,6 +273,14 @@ def _defaults(out: Imported, t: Training, backend: str, given: dict, problems: l
         out.mapped[:] = [e for e in out.mapped if e["key"] != "parallel.sequence_parallel"]
         out.drop(f.written, " ".join(f.values), "a no-op at tensor parallel 1: ms-swift turns sequence parallelism "
                                                 "off when tensor_model_parallel_size <= 1")
+    mem = out.recipe.get("memory", {})
+    if "optimizer_offload_fraction" in mem and not mem.get("optimizer_cpu_offload"):
+        mem.pop("optimizer_offload_fraction")  # rendered only with the offload on, as Megatron reads it only then
+        f, _ = given["optimizer_offload_fraction"]
+        for entries in (out.mapped, out.renamed):
+            entries[:] = [e for e in entries if e["key"] != "memory.optimizer_offload_fraction"]
+        out.drop(f.written, " ".join(f.values), "a no-op without --optimizer_cpu_offload true (Megatron offloads "
+                                                "only then): set memory.optimizer_cpu_offload = true to offload")
     _batch(out, backend)
     model = _get(out, "model.path")
     if isinstance(model, str) and not model.startswith("/"):
