@@ -172,7 +172,7 @@ def test_an_invalid_result_names_the_flags_it_came_from():
     ("swift sft --d a#b 'c#d' # e f", ["swift", "sft", "--d", "a#b", "c#d"], {}),
     ("V='p q'\nswift sft --v $V \"$V\"", ["swift", "sft", "--v", "p", "q", "p q"], {}),
     ("swift sft --n $((2*3+1)) ${U:-u} ${E-} | tee log", ["swift", "sft", "--n", "7", "u"], {}),
-    ("nohup swift sft --x 1 > out.log 2>&1 &", ["swift", "sft", "--x", "1", ">", "out.log", "2>&1"], {}),
+    ("nohup swift sft --x 1 > out.log 2>&1 &", ["swift", "sft", "--x", "1"], {}),  # the launch: test_import_wrappers
 ])
 def test_shell_words_as_the_shell_reads_them(script, words, env):
     cmd = commands(script)[0]  # the first command (a pipe's `tee` is the next one)

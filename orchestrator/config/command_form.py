@@ -9,7 +9,7 @@ raises ImportRefused with what and where. Pure.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from orchestrator.config.shell_script import Command
 
@@ -50,6 +50,8 @@ class Training:
     line: int
     launcher: tuple[tuple[str, str], ...] = ()
     others: tuple[str, ...] = field(default=())  # the script's other ms-swift commands, ignored
+    launch: tuple[str, ...] = ()  # wrappers, redirections, a pipe and `&` around it, as written (launch_wrappers)
+    notes: tuple[str, ...] = ()  # how the command was read where the text alone did not say
 
 
 _SUB = {"sft": "sft", "pt": "pre-training (`pt`)", "rlhf": "RLHF (`rlhf`)", "infer": "inference (`infer`)",
@@ -165,15 +167,41 @@ def find_training(cmds: list[Command]) -> tuple[Training, Command]:
         raise ImportRefused([(f"{len(found)} sft commands (lines {', '.join(str(c.line) for c, _ in found)}): import "
                              f"one at a time (save each as its own script)")])
     c, (prog, _sub, backend, launcher, argv) = found[0]
+    c, notes = _rejoined(c, cmds)
+    argv = (*argv, *c.words[len(found[0][0].words):])
     if c.problems:
         raise ImportRefused(list(c.problems))
     _continued(c, cmds)
     if c.unresolved:
         names = ", ".join(f"${n}" for n in c.unresolved)
-        raise ImportRefused([f"{_where(c)}: no value for {names}: give each with --var NAME=VALUE"],
-                            unresolved=c.unresolved)
+        why = f" ({'; '.join(c.why)})" if c.why else ""
+        raise ImportRefused([f"{_where(c)}: no value for {names}{why}: give each with --var NAME=VALUE (e.g. "
+                             f"--var {c.unresolved[0]}=...)"], unresolved=c.unresolved)
     return Training(backend, f"{prog} sft", parse_flags(argv, c), dict(c.env), c.line, launcher,
-                    tuple(others)), c
+                    tuple(others), c.launch, notes), c
+
+
+def _rejoined(c: Command, cmds: list[Command]) -> tuple[Command, tuple[str, ...]]:
+    """The training command with the lines after it that each start with `--` joined on, when it stands on one
+    line and so does each of them: a paste that lost all its `\\` continuations (copied from a web page or a chat),
+    which has one reading; with a note saying so. A command that kept some continuations is left as it is."""
+    i = cmds.index(c) + 1
+    j = i
+    while j < len(cmds) and cmds[j].words[:1] and cmds[j].words[0].startswith("--") and not cmds[j].prefix \
+            and cmds[j].line == cmds[j].last and c.line == c.last:
+        j += 1
+    if j == i:
+        return c, ()
+    rest = cmds[i:j]
+    joined = replace(c, words=c.words + tuple(w for r in rest for w in r.words), last=rest[-1].last,
+                     unresolved=tuple(dict.fromkeys(c.unresolved + tuple(n for r in rest for n in r.unresolved))),
+                     problems=c.problems + tuple(p for r in rest for p in r.problems),
+                     launch=c.launch + tuple(x for r in rest for x in r.launch), why=c.why + tuple(
+                         w for r in rest for w in r.why if w not in c.why))
+    cmds[i - 1:j] = [joined]
+    return joined, (f"lines {c.line + 1}-{rest[-1].last} each start with `--` and none of lines {c.line}-"
+                    f"{rest[-1].last - 1} ends with `\\`: read as one command (a paste that lost its line "
+                    "continuations); bash would run each line as a command of its own",)
 
 
 def _continued(c: Command, cmds: list[Command]) -> None:
@@ -188,23 +216,11 @@ def _continued(c: Command, cmds: list[Command]) -> None:
                               f"{c.line} stops there and bash runs the flags from line {n} on apart; add the `\\`")])
 
 
-_REDIRECT = re.compile(r"^\d*(>>?|<|>&|&>>?)(.*)$")
-
-
 def parse_flags(argv: tuple[str, ...], c: Command) -> tuple[Flag, ...]:
-    """`--name v ...` / `--name=v` words as Flags (redirections dropped); ImportRefused for a positional word
-    before the first flag (a config file) and for a paste cut off mid-flag."""
-    words: list[str] = []
-    it = iter(argv)
-    for w in it:
-        m = _REDIRECT.match(w)
-        if m:
-            if not m.group(2):
-                next(it, None)
-            continue
-        words.append(w)
+    """`--name v ...` / `--name=v` words as Flags (shell_script took the redirections off); ImportRefused for a
+    positional word before the first flag (a config file) and for a paste cut off mid-flag."""
     out: list[Flag] = []
-    for w in words:
+    for w in argv:
         if w and not w.strip():
             raise ImportRefused([(f"{_where(c)}: a `\\` followed by a space, not by the end of the line: bash passes a "
                                   "lone space as an argument, which ms-swift rejects; a multi-line command pasted onto "

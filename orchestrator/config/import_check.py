@@ -8,7 +8,7 @@ from pathlib import Path
 
 from orchestrator.config import flags as F
 from orchestrator.config.command_form import Training
-from orchestrator.config.import_env import LAUNCHER_COUNTS
+from orchestrator.config.import_env import COUNT_VARS, LAUNCHER_COUNTS
 from orchestrator.config.importer import Imported
 
 _PATHS = {"model", "output_dir", "dataset", "val_dataset", "mcore_model"}  # those the recipe resolves
@@ -53,6 +53,18 @@ def same_value(name: str, given: tuple[str, ...], rendered: tuple[str, ...], rec
     return True
 
 
+def count_carried(name: str, value: str, env: dict[str, str]) -> bool:
+    """Says whether the rendered environment carries the process or node count `name`=`value`: by number, and
+    an absent variable as 1, since the renderer sets NPROC_PER_NODE only for several processes (or Megatron) and
+    NNODES only for several nodes: `NPROC_PER_NODE=1 swift sft` runs as plain `swift sft`, one process either way."""
+    try:
+        want = int(value)
+    except ValueError:
+        return False
+    got = env.get(name)
+    return want == 1 if got is None else got.strip().isdigit() and int(got) == want
+
+
 def round_trip_problems(t: Training, imported: Imported, argv: list[str] | tuple[str, ...], env: dict[str, str],
                         recipe_dir: Path) -> list[str]:
     """What of the original command the rendered one lost or changed without a dropped entry saying why."""
@@ -67,13 +79,15 @@ def round_trip_problems(t: Training, imported: Imported, argv: list[str] | tuple
         if got is None or not same_value(name, f.values, got, recipe_dir):
             out.append(f"{f.text}: rendered as " + ("nothing" if got is None else " ".join((f"--{name}", *got))))
     for name, value in t.env.items():
-        if (name, value) not in dropped and env.get(name) != value:
+        if (name, value) in dropped or (name in COUNT_VARS and count_carried(name, value, env)):
+            continue
+        if env.get(name) != value:
             out.append(f"{name}={value}: rendered as {env.get(name)!r}")
     launcher = t.form.removesuffix(" sft")
     for opt, value in t.launcher:
         if (f"{launcher} --{opt}", value) in dropped:
             continue
         var = LAUNCHER_COUNTS[opt][0] if opt in LAUNCHER_COUNTS else None
-        if var is None or (env.get(var) != value and not (var == "NNODES" and value == "1")):
+        if var is None or not count_carried(var, value, env):
             out.append(f"{launcher} --{opt} {value}: rendered as {var}={env.get(var or '')!r}")
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import typing
 
 from orchestrator.config import flags as F
-from orchestrator.config.command_form import Training
+from orchestrator.config.command_form import ImportRefused, Training
 from orchestrator.config.import_values import convert
 
 
@@ -32,6 +32,7 @@ _PROCESSES, _NODES = ("NPROC_PER_NODE", "parallel.nproc_per_node"), ("NNODES", "
 LAUNCHER_COUNTS = {"nproc_per_node": _PROCESSES, "num_processes": _PROCESSES, "num_gpus": _PROCESSES,
                    "num_accelerators": _PROCESSES, "nnodes": _NODES, "num_machines": _NODES, "num_nodes": _NODES}
 _COUNT_KEYS = dict((_PROCESSES, _NODES))   # the variables with the same meaning: variable -> recipe key
+COUNT_VARS = frozenset(_COUNT_KEYS)
 _RENDEZVOUS = {"node_rank", "machine_rank", "master_addr", "master_port", "main_process_ip", "main_process_port"}
 # launcher options that point at a file (or host list) holding the layout, which import does not open
 _ELSEWHERE = {"config_file": "the launch configuration in it (processes, machines, FSDP / DeepSpeed settings)",
@@ -50,12 +51,34 @@ def _pythonpath(value: str) -> str | None:
             "to absolute paths if the run needs them")
 
 
+def _count(what: str, value: str, t: Training) -> int:
+    """The process or node count `what` gives; ImportRefused naming the line when it is not a whole number."""
+    try:
+        return int(convert((value,), int))  # type: ignore[call-overload]
+    except ValueError as e:
+        raise ImportRefused([f"line {t.line}: {what}={value}: {e} (a process or node count); set it to the number "
+                             "you mean, or leave it out for one"]) from None
+
+
+def unset_count(name: str, backend: str, parallel: dict) -> str | None:
+    """Says why the launch leaves the count variable `name` unset for a count of 1, or returns None when it is set
+    (the renderer's rule: NPROC_PER_NODE for several processes, several nodes or Megatron; NNODES for several
+    nodes)."""
+    if name == "NNODES":
+        return None if parallel.get("nnodes", 1) > 1 else ("one node; the orchestrator sets NNODES at launch only for "
+                                                            "several nodes")
+    if backend == "megatron" or parallel.get("nproc_per_node", 1) > 1 or parallel.get("nnodes", 1) > 1:
+        return None
+    return ("one process; the orchestrator launches `swift sft` without NPROC_PER_NODE (ms-swift then runs it "
+            "directly rather than under torchrun with one process: the same training)")
+
+
 def environment(out: Imported, t: Training) -> None:
     """Maps the command's environment and its launcher's options to recipe keys and env.vars, or drops them with
     the reason."""
     for name, value in t.env.items():
         if name in _COUNT_KEYS:
-            out.set(_COUNT_KEYS[name], convert((value,), int))
+            out.set(_COUNT_KEYS[name], _count(name, value, t))
             out.mapped.append({"flag": name, "value": value, "key": _COUNT_KEYS[name]})
         elif name in OWNED_ENV - {"CUDA_VISIBLE_DEVICES"}:
             out.drop(name, value, _LAUNCH_WHY)
@@ -67,6 +90,9 @@ def environment(out: Imported, t: Training) -> None:
         else:  # CUDA_VISIBLE_DEVICES too: the GPUs the orchestrator verifies clear before each launch
             out.set(f"env.vars.{name}", value)
             out.mapped.append({"flag": name, "value": value, "key": f"env.vars.{name}"})
+    for name in [n for n in _COUNT_KEYS if n in t.env]:  # after the loop: the note depends on both counts
+        if (why := unset_count(name, out.recipe["run"]["backend"], out.recipe["parallel"])) is not None:
+            out.notes.append(f"{name}={t.env[name]} -> {_COUNT_KEYS[name]} = 1: {why}")
     launcher = t.form.removesuffix(" sft")
     for opt, value in t.launcher:
         flag = f"{launcher} --{opt}"
@@ -74,7 +100,7 @@ def environment(out: Imported, t: Training) -> None:
         if var and var in t.env:
             out.drop(flag, value, f"{var}={t.env[var]} is given too and sets {key}")
         elif var:
-            out.set(key, convert((value,), int))
+            out.set(key, _count(flag, value, t))
             out.mapped.append({"flag": flag, "value": value, "key": key})
         elif opt in _RENDEZVOUS or opt.startswith("rdzv"):
             out.drop(flag, value, _LAUNCH_WHY)

@@ -14,6 +14,7 @@ from orchestrator.config import flags as F
 from orchestrator.config.command_form import Flag, ImportRefused, Training
 from orchestrator.config.import_env import default_processes, environment
 from orchestrator.config.import_values import convert, extra_value
+from orchestrator.config.launch_wrappers import why_dropped
 from orchestrator.config.schema import Recipe
 
 # Flags rendered from a recipe key (beyond flags.MANAGED's): flag -> dotted key.
@@ -105,14 +106,22 @@ def _latest(flag_list: tuple[Flag, ...], out: Imported, backend: str) -> list[tu
     return kept
 
 
+def _switch(f: Flag) -> bool:
+    """Reads a true/false flag; ImportRefused naming its line when the value is neither."""
+    try:
+        return convert(f.values, bool) is True
+    except ValueError as e:
+        raise ImportRefused([f"line {f.line}: {f.written}: {e}"]) from None
+
+
 def translate(t: Training, run_name: str) -> Imported:
     """The recipe data and the report for the training command `t`; ImportRefused for a command this tool
     does not supervise (not LoRA) or values it cannot read."""
     backend = t.backend
     use_megatron = [f for f in t.flags if f.name == "use_megatron"]
-    if t.form == "swift sft" and use_megatron and convert(use_megatron[-1].values, bool) is True:
+    if t.form == "swift sft" and use_megatron and _switch(use_megatron[-1]):
         backend = "megatron"  # `swift sft --use_megatron true`: what the author meant is `megatron sft`
-    out = Imported({"run": {"name": run_name, "backend": backend}})
+    out = Imported({"run": {"name": run_name, "backend": backend}}, notes=list(t.notes))
     problems: list[str] = []
     keys = recipe_keys(backend)
     given: dict[str, tuple[Flag, str]] = {}
@@ -142,6 +151,8 @@ def translate(t: Training, run_name: str) -> Imported:
     if problems:
         raise ImportRefused(problems)
     environment(out, t)
+    for item in t.launch:
+        out.drop(item, "", why_dropped(item))
     _defaults(out, t, backend, given, problems)
     if problems:
         raise ImportRefused(problems)
@@ -262,6 +273,14 @@ def _defaults(out: Imported, t: Training, backend: str, given: dict, problems: l
         out.mapped[:] = [e for e in out.mapped if e["key"] != "parallel.sequence_parallel"]
         out.drop(f.written, " ".join(f.values), "a no-op at tensor parallel 1: ms-swift turns sequence parallelism "
                                                 "off when tensor_model_parallel_size <= 1")
+    mem = out.recipe.get("memory", {})
+    if "optimizer_offload_fraction" in mem and not mem.get("optimizer_cpu_offload"):
+        mem.pop("optimizer_offload_fraction")  # rendered only with the offload on, as Megatron reads it only then
+        f, _ = given["optimizer_offload_fraction"]
+        for entries in (out.mapped, out.renamed):
+            entries[:] = [e for e in entries if e["key"] != "memory.optimizer_offload_fraction"]
+        out.drop(f.written, " ".join(f.values), "a no-op without --optimizer_cpu_offload true (Megatron offloads "
+                                                "only then): set memory.optimizer_cpu_offload = true to offload")
     _batch(out, backend)
     model = _get(out, "model.path")
     if isinstance(model, str) and not model.startswith("/"):

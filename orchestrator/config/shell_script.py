@@ -13,22 +13,28 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+from orchestrator.config.launch_wrappers import read_launch
+from orchestrator.config.shell_expand import NAME, Expander, ScriptError
+
+__all__ = ["NAME", "ASSIGNMENT", "Command", "ScriptError", "commands", "logical_commands"]
+
 ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
 _SEPARATORS = (";", "|", "&")
-_WRAPPERS = {"nohup", "exec", "time", "then", "do", "else", "{", "(", "!"}
-
-
-class ScriptError(ValueError):
-    """The script cannot be read as shell commands; the message names the line."""
+_ARRAY_OPEN = re.compile(r"(^|\s)[A-Za-z_][A-Za-z0-9_]*\+?=$")  # `NAME=(` starts an array
+_ARRAY = re.compile(r"(?:(?:export|declare|local|typeset)(?:\s+-\w+)*\s+)?([A-Za-z_][A-Za-z0-9_]*)=\((.*)\)", re.DOTALL)
+_SHLEX = {"No closing quotation": "a quote opened here is never closed (the command looks cut off)",
+          "No escaped character": "it ends with a `\\` that escapes nothing (the line looks cut off after it)"}
+_KEYWORDS = {"then", "do", "else", "{", "(", "!"}  # before a command: not part of it
 
 
 @dataclass(frozen=True)
 class Command:
     """One simple command: `env` its prefix assignments and the exported variables, `words` after them
-    (expanded, quotes removed), `line` where it starts, `unresolved` the variables it needed and nothing gave."""
+    (expanded, quotes removed, launch wrappers and redirections taken off), `line` where it starts and `last` where
+    it ends, `unresolved` the variables it needed and nothing gave, `launch` what wrapped it as written (wrappers,
+    redirections, a pipe after it, a trailing `&`)."""
 
     words: tuple[str, ...]
     line: int
@@ -36,6 +42,9 @@ class Command:
     prefix: dict[str, str] = field(default_factory=dict)
     unresolved: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
+    launch: tuple[str, ...] = ()
+    last: int = 0
+    why: tuple[str, ...] = ()  # what the script did that import cannot follow, behind `unresolved`
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class _Raw:
     text: str
     line: int
     cut: str = ""  # why the command looks cut off ("" when it does not)
+    end: str = ""  # the separator that ended it: "|", "&", ";", "&&", "||" ("" for a newline)
+    last: int = 0  # the line it ends on
 
 
 def logical_commands(script: str) -> list[_Raw]:
@@ -51,12 +62,13 @@ def logical_commands(script: str) -> list[_Raw]:
     out: list[_Raw] = []
     buf: list[str] = []
     line, start, quote, quote_line = 1, 1, "", 0
+    paren = 0  # inside an array assignment's `(...)` or a `$(...)`, which may span lines and hold `|`
     i, n = 0, len(script)
 
-    def flush(cut: str = "") -> None:
+    def flush(cut: str = "", end: str = "") -> None:
         text = "".join(buf).strip()
         if text:
-            out.append(_Raw(text, start, cut))
+            out.append(_Raw(text, start, cut, end, line))
         buf.clear()
 
     while i < n:
@@ -98,16 +110,26 @@ def logical_commands(script: str) -> list[_Raw]:
             while i < n and script[i] != "\n":
                 i += 1
             continue
+        elif c == "\n" and paren:
+            buf.append(" ")
+            line += 1
+            i += 1
+            continue
+        elif c == "(" and (paren or _ARRAY_OPEN.search("".join(buf)) or buf[-1:] == ["$"]):
+            paren += 1
+        elif c == ")" and paren:
+            paren -= 1
         elif c == "\n":
             flush()
             line += 1
             start = line
             i += 1
             continue
-        elif c in _SEPARATORS and not (c == "&" and (buf and buf[-1] in "<>" or script[i + 1:i + 2] == ">")):
-            flush()
+        elif c in _SEPARATORS and not paren and not (c == "&" and (buf and buf[-1] in "<>" or script[i + 1:i + 2] == ">")):
+            j = i
             while i + 1 < n and script[i + 1] in _SEPARATORS:
                 i += 1
+            flush(end=script[j:i + 1])
             start = line
             i += 1
             continue
@@ -121,151 +143,6 @@ def logical_commands(script: str) -> list[_Raw]:
     return out
 
 
-# --- expansion -------------------------------------------------------------------------------------
-
-_ARITH = re.compile(r"^[0-9+\-*/%() \t]*$")
-
-
-def _arithmetic(expr: str, line: int) -> str:
-    """Integer arithmetic of `$((...))` / `expr`: + - * / % and parentheses, / truncating as the shell does."""
-    if not _ARITH.match(expr) or not expr.strip() or "**" in expr:  # no powers: 9**9**9 never ends
-        raise ScriptError(f"line {line}: cannot evaluate {expr.strip()!r} (only integer + - * / % are read)")
-    py = re.sub(r"(?<![/])/(?![/])", "//", expr)
-    try:
-        value = eval(py, {"__builtins__": {}}, {})
-    except (SyntaxError, ZeroDivisionError, TypeError) as e:
-        raise ScriptError(f"line {line}: cannot evaluate {expr.strip()!r} ({e})") from None
-    return str(int(value))
-
-
-def _closing(text: str, i: int, open_: str, close: str) -> int:
-    """The index just past the `close` that balances the `open_` at text[i - 1]."""
-    depth = 1
-    while i < len(text):
-        if text[i] == open_:
-            depth += 1
-        elif text[i] == close:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return -1
-
-
-class _Expander:
-    """`$...` in one raw command, given the variables so far: the text with values inserted (quoted so that
-    shlex splits it as the shell would) and the names that had no value."""
-
-    def __init__(self, values: dict[str, str], taint: dict[str, tuple[str, ...]], line: int):
-        self.values, self.taint, self.line = values, taint, line
-        self.unresolved: list[str] = []
-        self.problems: list[str] = []  # what cannot be expanded here (a command substitution)
-
-    def lookup(self, name: str, default: str | None = None) -> str:
-        if name in self.values:
-            self.unresolved += [n for n in self.taint.get(name, ()) if n not in self.unresolved]
-            return self.values[name]
-        if default is not None:
-            return default
-        if name not in self.unresolved:
-            self.unresolved.append(name)
-        return ""
-
-    def expand(self, text: str) -> str:
-        out: list[str] = []
-        quote, i = "", 0
-        while i < len(text):
-            c = text[i]
-            if c == "\\" and quote != "'":
-                out.append(text[i:i + 2])
-                i += 2
-                continue
-            if c == "'" and quote != '"':
-                quote = "" if quote == "'" else "'"
-            elif c == '"' and quote != "'":
-                quote = "" if quote == '"' else '"'
-            elif c == "`" and quote != "'":
-                end = text.find("`", i + 1)
-                self.problems.append(f"line {self.line}: the command substitution {text[i:end + 1 or None]!r} is "
-                                     f"not run here; replace it with its value")
-                i = len(text) if end < 0 else end + 1
-                continue
-            elif c == "$" and quote != "'" and i + 1 < len(text):
-                value, i = self._dollar(text, i)
-                if value is not None:
-                    out.append(self._insert(value, quote))
-                    continue
-            out.append(c)
-            i += 1
-        return "".join(out)
-
-    def _dollar(self, text: str, i: int) -> tuple[str | None, int]:
-        """The value of the `$` form at text[i] and the index after it; (None, i) for a literal `$`."""
-        nxt = text[i + 1]
-        if text.startswith("$((", i):
-            end = _closing(text, i + 3, "(", ")")
-            if end < 0 or text[end:end + 1] != ")":
-                raise ScriptError(f"line {self.line}: unclosed $(( ... ))")
-            known = len(self.unresolved)
-            inner = self.expand_plain(text[i + 3:end - 1])
-            inner = re.sub(r"[A-Za-z_][A-Za-z0-9_]*", lambda m: self.lookup(m.group()) or "0", inner)
-            return self._arithmetic_of(inner, known), end + 1
-        if nxt == "(":
-            end = _closing(text, i + 2, "(", ")")
-            if end < 0:
-                raise ScriptError(f"line {self.line}: unclosed $( ... )")
-            known = len(self.unresolved)
-            words = shlex.split(self.expand(text[i + 2:end - 1]))
-            if words[:1] == ["expr"]:
-                return self._arithmetic_of(" ".join(words[1:]), known), end
-            self.problems.append(f"line {self.line}: the command substitution {text[i:end]!r} is not run here; "
-                                 f"replace it with its value")
-            return "", end
-        if nxt == "{":
-            end = text.find("}", i + 2)
-            if end < 0:
-                raise ScriptError(f"line {self.line}: unclosed ${{ (the command looks cut off)")
-            body = text[i + 2:end]
-            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)(.*))?", body, re.DOTALL)
-            if not m:
-                raise ScriptError(f"line {self.line}: ${{{body}}} is not read here (only ${{NAME}} and "
-                                  f"${{NAME:-default}})")
-            name, op, default = m.groups()
-            if op == ":-" and self.values.get(name) == "":
-                return self.expand_plain(default), end + 1
-            return self.lookup(name, None if op is None else self.expand_plain(default)), end + 1
-        m = NAME.match(text, i + 1) or re.compile(r"[0-9@*#?$!]").match(text, i + 1)
-        if not m:
-            return None, i
-        return self.lookup(m.group()), m.end()
-
-    def _arithmetic_of(self, expr: str, known: int) -> str:
-        """_arithmetic, naming the variables without a value when they are why it fails: `16 /` alone would not
-        tell the user that `$nproc_per_node` was never set."""
-        try:
-            return _arithmetic(expr, self.line)
-        except ScriptError:
-            unset = self.unresolved[known:]
-            if not unset:
-                raise
-            names = ", ".join(f"${n}" for n in unset)
-            raise ScriptError(f"line {self.line}: the arithmetic uses {names}, which has no value in the script "
-                              f"(so it reads {expr.strip()!r}); set it before the command") from None
-
-    def expand_plain(self, text: str) -> str:
-        """Expansion inside `${NAME:-...}` and `$(...)`: the value as a plain string."""
-        return " ".join(shlex.split(self.expand(text))) if text.strip() else ""
-
-    @staticmethod
-    def _insert(value: str, quote: str) -> str:
-        if quote == '"':
-            return value.replace("\\", "\\\\").replace('"', '\\"')
-        if quote == "'":
-            return value
-        # unquoted: the shell splits the value into words and removes no quotes in it
-        return " ".join(shlex.quote(w) for w in value.split())
-
-
 def _assignments(words: list[str]) -> tuple[dict[str, str], list[str]]:
     """The leading `NAME=value` words as a dict, and the words after them."""
     out: dict[str, str] = {}
@@ -277,24 +154,35 @@ def _assignments(words: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def commands(script: str, given: dict[str, str] | None = None) -> list[Command]:
     """The script's simple commands in order, expanded with the variables assigned before each one;
-    `given` (--var NAME=VALUE) wins over the script's own assignments."""
+    `given` (--var NAME=VALUE) wins over the script's own assignments, prefixes included."""
     given = dict(given or {})
     values: dict[str, str] = dict(given)
     taint: dict[str, tuple[str, ...]] = {}
+    arrays: dict[str, list[str]] = {}
     exported: dict[str, str] = {}
+    why: dict[str, str] = {}  # a variable the script sets from what import does not run or read -> that
+    sourced: list[str] = []  # `source FILE` / `. FILE` lines, not read
     out: list[Command] = []
+    before: _Raw | None = None  # the raw command before this one, and whether it became out[-1]
+    last_out: _Raw | None = None
     for raw in logical_commands(script):
-        ex = _Expander(values, taint, raw.line)
+        piped = before is not None and before.end in ("|", "|&") and last_out is before
+        before = raw
+        ex = Expander(values, taint, raw.line, arrays)
         if raw.cut:
             ex.problems.append(raw.cut)
-        try:
-            words = shlex.split(ex.expand(raw.text))
-        except ScriptError:
-            raise
-        except ValueError as e:
-            raise ScriptError(f"line {raw.line}: {e}") from None
-        while words and words[0] in _WRAPPERS:
+        if (a := _ARRAY.fullmatch(raw.text)) is not None:  # NAME=(a b c): an array
+            name = a.group(1)
+            if name not in given:
+                arrays[name] = _split(ex, a.group(2), raw.line)
+                values[name], taint[name] = (arrays[name] or [""])[0], tuple(ex.unresolved)
+            continue
+        words = _split(ex, raw.text, raw.line)
+        while words and words[0] in _KEYWORDS:
             words = words[1:]
+        if words[:1] in (["source"], ["."]):
+            sourced.append(f"`{' '.join(words)}` at line {raw.line}")
+            continue
         exporting = words[:1] == ["export"] or words[:2] == ["declare", "-x"]
         if exporting:
             words = words[2:] if words[0] == "declare" else words[1:]
@@ -303,22 +191,59 @@ def commands(script: str, given: dict[str, str] | None = None) -> list[Command]:
             # `A=1 export B=2`: bash exports B and forgets A, which lived only for the `export` builtin
             exporting = True
             prefix, words = _assignments(words[1:])
+        unrun = {n: f"${n} is set from {', '.join(_subs(ex, v))} at line {raw.line}, which import does not run"
+                 for n, v in prefix.items() if n not in given and _subs(ex, v)}
         if exporting or not words:  # assignments (and `export NAME` of an earlier one)
             for name, value in prefix.items():
                 if name not in given:
                     values[name] = value
-                    taint[name] = tuple(ex.unresolved)
+                    taint[name] = (*ex.unresolved, *([name] if name in unrun else []))
+                    why.pop(name, None)
                 if name in exported:  # an exported variable assigned again stays exported
                     exported[name] = values[name]
                 if exporting:
                     exported[name] = values[name]
+            why |= unrun
             if exporting:
                 for name in words:
                     if NAME.fullmatch(name) and name in values:
                         exported[name] = values[name]
             continue
+        prefix = {n: given.get(n, v) for n, v in prefix.items()}
+        launch = read_launch(words)
+        if piped:  # `... | tee -a train.log`: listed with the command whose output it takes
+            out[-1] = replace(out[-1], launch=(*out[-1].launch, f"| {' '.join(words)}"))
+        prefix |= launch.env
+        if not launch.words:
+            continue
         # an exported variable whose value needed an unset one leaves this command's environment unresolved too
-        unresolved = list(ex.unresolved) + [n for v in exported for n in taint.get(v, ()) if n not in ex.unresolved]
-        out.append(Command(tuple(words), raw.line, {**exported, **prefix}, prefix, tuple(dict.fromkeys(unresolved)),
-                           tuple(ex.problems)))
+        unresolved = [*ex.unresolved, *[n for v in exported for n in taint.get(v, ())], *unrun]
+        unresolved = list(dict.fromkeys(unresolved))
+        problems = [*ex.problems, *(f"line {raw.line}: the command substitution {s} is not run here; replace it "
+                                    "with its value" for s in _subs(ex, *launch.words))]
+        reasons = [(why | unrun)[n] for n in unresolved if n in why | unrun]
+        if sourced and any(n not in why | unrun for n in unresolved):
+            reasons.append(f"{', '.join(sourced)} is not read, and may set "
+                           + ", ".join(f"${n}" for n in unresolved if n not in why | unrun))
+        around = (*launch.wrappers, *launch.redirections, *(["&"] if raw.end == "&" else []))
+        out.append(Command(launch.words, raw.line, {**exported, **prefix}, prefix, tuple(unresolved),
+                           tuple(problems), around, raw.last, tuple(reasons)))
+        last_out = raw
     return out
+
+
+def _split(ex: Expander, text: str, line: int) -> list[str]:
+    """`text` expanded and split into words as the shell does; ScriptError naming the line for what shlex cannot
+    split, in words a user can act on."""
+    try:
+        return shlex.split(ex.expand(text))
+    except ScriptError:
+        raise
+    except ValueError as e:
+        raise ScriptError(f"line {line}: {_SHLEX.get(str(e), str(e))}") from None
+
+
+def _subs(ex: Expander, *words: str) -> list[str]:
+    """The command substitutions of `ex` that stand in `words` (so that one in a log file's name is not asked
+    for), each as written in backticks."""
+    return [s if s.startswith("`") else f"`{s}`" for s in dict.fromkeys(ex.substitutions) if any(s in w for w in words)]

@@ -56,7 +56,8 @@ def recipe_text(data: dict, source: str, t: Training, imported: Imported) -> str
         head.append("# Not carried over (see `orchestrator import --json` for the whole report):")
         head += [f"#   {d['flag']} {d['value']}".rstrip() + f": {d['reason']}" for d in imported.dropped]
     head += [f"# Note: {n}" for n in imported.notes]
-    return "\n".join(head) + "\n\n" + to_toml(_ordered(data))
+    # one line each: a TOML comment holds no line break or control character, whatever the paste had in a value
+    return "\n".join(one_line(h) for h in head) + "\n\n" + to_toml(_ordered(data))
 
 
 def _from_flags(problems: tuple[R.Problem, ...], imported: Imported) -> list[str]:
@@ -88,8 +89,10 @@ def import_script(text: str, source: str, output: Path | None, variables: dict[s
     recipe, where = _validated(toml, where, imported)
     cmd = render_command(recipe, None, 29500, 10)
     lost = round_trip_problems(t, imported, cmd.argv, cmd.env, where)
-    if lost:  # a bug in the importer, never the user's input: exit 1 with what was lost
-        raise RuntimeError("import lost flags without saying why: " + "; ".join(lost))
+    if lost:  # a bug in the importer, not the user's input: refused rather than a recipe that silently differs
+        raise ImportRefused([f"line {t.line}: the recipe would not carry {'; '.join(lost)}, and import has no reason "
+                             "to drop it: nothing written (a bug in `orchestrator import`: please report it with the "
+                             "script); write the recipe by hand (`orchestrator demo` shows one)"])
     report = {"recipe": imported.recipe, "output": str(output) if output else None, "mapped": imported.mapped,
               "renamed": imported.renamed, "dropped": imported.dropped, "unresolved": [], "notes": imported.notes,
               "ignored": list(t.others)}
@@ -159,13 +162,19 @@ def refusal_json(e: ImportRefused, source: str) -> str:
                        "unresolved": list(e.unresolved)}, indent=2)
 
 
+def one_line(text: str) -> str:
+    """`text` with its line breaks and other unprintable characters escaped (`\\n`, `\\x0c`), so that a message
+    quoting a pasted value stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(script: str, output: Path | None, variables: tuple[str, ...], force: bool, as_json: bool) -> int:
     """The `import` command: read SCRIPT (- is stdin), write the recipe (or print it), report; the exit code."""
     def refuse(e: ImportRefused) -> int:
         if as_json:
             click.echo(refusal_json(e, script))
         # one message, however many problems: each is named in it (and listed apart in --json)
-        click.echo(f"orchestrator: error: {script}: {'; '.join(e.problems)}", err=True)
+        click.echo(one_line(f"orchestrator: error: {script}: {'; '.join(e.problems)}"), err=True)
         return 2
 
     given: dict[str, str] = {}
