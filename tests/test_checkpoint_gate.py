@@ -96,7 +96,6 @@ def test_a_nonfinite_save_the_trainer_died_right_after_is_not_resumed_from(world
     assert standing(sup, 24) == Standing.SET_ASIDE and standing(sup, 20) == Standing.HEALTHY
     (found,) = events(sup, "checkpoint_nonfinite")
     assert found["data"]["step"] == 24
-    assert any(s[2] == "verify" for s in journal(sup).spans()), "the awaited check is charged to a span"
 
 
 def test_a_stale_save_the_trainer_died_right_after_is_not_resumed_from(world):
@@ -317,3 +316,59 @@ def test_standings_survive_a_supervisor_restart(tmp_path):
     again.scan(1.0)
     assert not again.pending_checks() and again.resume_point().step == 10
     again.close()
+
+
+# ---- the relaunch awaits the candidate's check, bounded, in a span ------------------------------------------
+def slow_checks(monkeypatch, release):
+    """Content checks that block until `release` is set (a 397B adapter's scan, say)."""
+    from orchestrator.store import checkpoint_health
+    real = checkpoint_health.CheckpointHealth.check
+
+    def check(self, path, step, mani=None):
+        if step == 24:
+            release.wait(60)
+        return real(self, path, step, mani)
+    monkeypatch.setattr(checkpoint_health.CheckpointHealth, "check", check)
+
+
+def test_the_relaunch_waits_for_the_candidates_check_and_charges_it_to_a_span(world, monkeypatch):
+    import threading
+    from orchestrator.loop import launch
+    release = threading.Event()
+    slow_checks(monkeypatch, release)
+    monkeypatch.setattr(launch, "WAIT_SLICE_S", 0.05)
+    sup, host = world_with(world)
+    t = running(sup, host)
+    train_to(sup, host, t, 21)
+    poison(make_megatron(sup.ctx.out, 24))
+    waits = []
+    host.on_wait = lambda h, s: waits.append(s) if len(waits) < 10 else release.set()   # ends some waits later
+    kill_after_save(sup, host, t, 24)
+    try:
+        t2 = running(sup, host)
+    finally:
+        release.set()
+    assert resumed_from(t2) == str(sup.ctx.out / "checkpoint-20")
+    assert (sup.ctx.out / "checkpoint-24.checkpoint_nonfinite").is_dir()
+    verify = [e - s for s, e, kind in journal(sup).spans() if kind == "verify"]
+    assert verify and max(verify) > 0, "the wait for the check is charged to `verify`, not `other`"
+
+
+def test_a_check_that_outlasts_the_bound_leaves_its_checkpoint_out_of_the_resume(world, monkeypatch):
+    import threading
+    from orchestrator.loop import launch
+    release = threading.Event()
+    slow_checks(monkeypatch, release)
+    monkeypatch.setattr(launch, "WAIT_SLICE_S", 0.05)
+    monkeypatch.setattr(launch, "CONTENT_CHECK_WAIT_S", 1.0)
+    sup, host = world_with(world)
+    t = running(sup, host)
+    train_to(sup, host, t, 21)
+    make_megatron(sup.ctx.out, 24)   # healthy, but its check does not finish in time
+    try:
+        kill_after_save(sup, host, t, 24)
+        t2 = running(sup, host)
+        assert resumed_from(t2) == str(sup.ctx.out / "checkpoint-20")
+        assert any("still running" in e["message"] for e in events(sup, "resume_skip"))
+    finally:
+        release.set()

@@ -49,8 +49,8 @@ class Launcher:
         """Starts the next attempt after `before` (None: the first of this supervisor); returns the next state
         and the attempt launched (None when nothing was)."""
         r, ctx = self.recipe, self.ctx
-        if self.settle():
-            return State.STOPPED, None
+        if (unsettled := self.settle()) is not None:
+            return unsettled, None
         resume = self.checkpoints.resume_point()
         exporting = self.export.exporting()
         if not exporting and (over := self.export.nothing_left_to_train(resume, before)):
@@ -113,30 +113,40 @@ class Launcher:
             self.metrics.restart()
         return State.RUNNING, attempt
 
-    def settle(self) -> bool:
-        """Completes the resume candidate's standing before a launch: pending set-asides moved (no trainer runs
-        now), new checkpoints verified, and their content checks awaited for at most CONTENT_CHECK_WAIT_S (a
-        `verify` span), their findings applied. A check still running then leaves its checkpoint out of this
-        resume. Returns True when a stop cut the wait short."""
-        ckpts, stopped = self.checkpoints, False
-        self.ctx.apply_set_asides()
+    def settle(self) -> State | None:
+        """Completes the resume candidate's standing before a launch: new checkpoints verified, their content
+        checks awaited for at most CONTENT_CHECK_WAIT_S (a `verify` span) and what they found applied, pending
+        set-asides moved (no trainer runs now). A check still running then leaves its checkpoint out of this
+        resume. Returns STOPPED when a stop cut the wait short, VERIFYING when a checkpoint to set aside could not
+        be moved yet (the relaunch would write into its directory), None when the launch may go on."""
+        ckpts, st = self.checkpoints, self.ctx.standings
         ckpts.scan(self.host.now())
-        if ckpts.pending_checks():
-            deadline = self.host.monotonic() + CONTENT_CHECK_WAIT_S
-            with self.ticker.span("verify"):
-                while (pending := ckpts.pending_checks()) and not stopped:
-                    futures.wait(pending, timeout=WAIT_SLICE_S)
-                    ckpts.apply_checks()
-                    if not ckpts.pending_checks():
-                        break
-                    if self.host.monotonic() >= deadline:
-                        self.journal.event("resume_skip", f"content checks still running after "
-                                           f"{CONTENT_CHECK_WAIT_S:.0f} s: resuming from the newest healthy "
-                                           "checkpoint", pending=len(pending))
-                        break
-                    stopped = self.ticker.sleep(WAIT_SLICE_S)
-        self.ctx.apply_set_asides()  # what the checks found
-        return stopped
+
+        def open_work() -> tuple[list, bool]:
+            ckpts.apply_checks()
+            self.ctx.apply_set_asides()
+            return ckpts.pending_checks(), any(not p.local_done for p in st.pending)
+
+        checks, unmoved = open_work()
+        if not checks and not unmoved:
+            return None
+        deadline = self.host.monotonic() + CONTENT_CHECK_WAIT_S
+        with self.ticker.span("verify"):
+            while checks or unmoved:
+                if self.host.monotonic() >= deadline:
+                    if unmoved:
+                        self.journal.event("quarantine", "checkpoints to set aside could not be moved yet (a copy "
+                                           "in flight?): not launching into their directories; retrying")
+                        return State.VERIFYING
+                    self.journal.event("resume_skip", f"content checks still running after {CONTENT_CHECK_WAIT_S:.0f}"
+                                       " s: resuming from the newest healthy checkpoint", pending=len(checks))
+                    return None
+                if checks:
+                    futures.wait(checks, timeout=WAIT_SLICE_S)
+                if (unmoved or any(not f.done() for f in checks)) and self.ticker.sleep(WAIT_SLICE_S):
+                    return State.STOPPED
+                checks, unmoved = open_work()
+        return None
 
     def _restore(self) -> Resume | None:
         """Restores the newest published checkpoint in the background; the loop waits in slices that keep the

@@ -182,7 +182,12 @@ class CheckpointTracker:
                     continue
                 target = (checkpoint_health.unhealthy_name(d, req.reason.tag) if req.only_step
                           else checkpoints.quarantine_name(d, req.attempt, req.reason.tag))
-                d.rename(target)
+                try:
+                    d.rename(target)
+                except OSError as e:  # retried by the next call; the standing already keeps it out of use
+                    self.journal.event("quarantine", f"{d.name}: not moved yet: {e.strerror or e}; retried")
+                    waiting = True
+                    continue
             self.seen.pop(str(d), None)
             if ckpt:
                 self.standings.set_aside_known(s, str(d), req.reason)
