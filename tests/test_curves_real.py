@@ -19,14 +19,18 @@ DOCS = {p.name: measure.load(p) for p in sorted(HERE.glob("*.json"))}
 def test_every_series_has_a_pinned_source_a_label_and_its_drawn_split():
     assert len(DOCS) >= 17
     for name, d in DOCS.items():
-        assert d["source"].startswith("https://github.com/") and "/blob/" in d["source"], name
+        # a file at a pinned commit, or (failing series) the public issue thread that pastes the lines
+        assert d["source"].startswith("https://github.com/") and ("/blob/" in d["source"]
+                                                                  or "/issues/" in d["source"]), name
         assert d["label"] in ("healthy", "spike", "divergence", "nan", "resume_jump"), name
         assert (d["onset"] is None) == (d["label"] == "healthy"), name
         # held out iff the first 8 hex digits of sha256(source) fall below 30 % of 2**32, drawn before tuning
         held = int(hashlib.sha256(d["source"].encode()).hexdigest()[:8], 16) < 0.3 * 2**32
         assert d["split"] == ("heldout" if held else "tune"), name
         steps = [p["step"] for p in d["points"]]
-        assert len(steps) >= 40 and steps == sorted(set(steps)), name
+        # a whole run's curve, or (labelled partial) the lines a thread pastes around its failure
+        assert len(steps) >= (3 if d.get("partial") else 40) and steps == sorted(set(steps)), name
+        assert not d.get("partial") or d["label"] != "healthy", name
 
 
 @pytest.mark.parametrize("name", [n for n, d in DOCS.items() if d["label"] == "healthy"])
@@ -34,3 +38,24 @@ def test_no_healthy_real_series_is_stopped(name):
     stops, warnings, n = measure.replay(DOCS[name])
     assert stops == [], name
     assert len(warnings) <= max(3, n // 50), name   # warnings only, and rare (README: per 1,000 steps)
+
+
+# Megatron leaves a NaN average out of its line (no `lm loss` field) and, in that thread, its nan counter stayed 0:
+# the detectors see a step with no loss, not a NaN. A miss reported to the lead (issue 35), not tuned here.
+KNOWN_MISSES = {"issue-megatron-llm-33-nan.json": "a Megatron line with no lm loss is not read as a NaN"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
+                                  if n in KNOWN_MISSES else n
+                                  for n, d in DOCS.items() if d["label"] == "nan"])
+def test_a_documented_nan_stops_the_run_at_its_onset(name):
+    d = DOCS[name]
+    stops, _, _ = measure.replay(d, fp16=measure.is_fp16(d))
+    assert stops and stops[0] == ("nan_andon", d["onset"]), name
+
+
+def test_the_documented_divergence_is_at_least_warned_of_after_its_onset():
+    d = DOCS["issue-deeplab-lfov-5-divergence.json"]
+    stops, warnings, _ = measure.replay(d)
+    # measured: a loss_spike warning at 13000 (5.128 after ~1), no divergence stop on these 30 lines (README)
+    assert any(step >= d["onset"] for _, step in stops + warnings)

@@ -4,6 +4,7 @@ loop records a finding: Journal.event(kind, message, **finding.record(), **actio
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -87,7 +88,15 @@ def test_the_report_marks_health_events_on_the_loss_curve(journalled):
     marks = page.find("g", "health")
     # the events with steps are marked; progress_unreadable has none (it is in the table)
     assert [m["data-kind"] for m in marks] == [LOSS_SPIKE, LOSS_DIVERGENCE]
-    assert any(t.startswith("loss_divergence (steps 21-40): the loss level is 2.5") for t in page.titles)
+    assert any(t.startswith("loss_divergence (steps 21-40, found 19 steps after the onset): the loss level is 2.5")
+               for t in page.titles)
+    # the divergence is shaded from its onset to the finding, the delay written in the band; a one-step
+    # spike has no band and no delay
+    band = re.search(r'<g class="health" data-kind="loss_divergence">.*?</g>', text, re.S)
+    assert band and "<rect" in band.group(0)
+    assert "loss_divergence: onset 21, found at 40 (19 steps after the onset)" in band.group(0)
+    spike = re.search(r'<g class="health" data-kind="loss_spike">.*?</g>', text, re.S)
+    assert spike and "<rect" not in spike.group(0) and "onset" not in spike.group(0)
     assert "<h2>Health</h2>" in text and "progress_unreadable" in text
     assert EVIL not in text and "&lt;script&gt;" in text
 
@@ -116,9 +125,13 @@ def test_the_report_has_a_throughput_panel_with_the_slow_spell_shaded():
                                                                                    "baseline_s": 1.0, "ratio": 1.1}}
     assert slow_spells([drop, back], 100) == [(30, 45)]
     assert slow_spells([drop], 100) == [(30, 100)], "a spell still open runs to the last step"
-    d = {"max_steps": 100, "step_times": [(s, 1.0 if s < 25 else 2.0) for s in range(1, 60)], "health": [drop, back]}
+    speed = {"measured": [(s, 1.0 if s < 25 else 2.0) for s in range(12, 60)],
+             "current": [(s, 1.0 if s < 27 else 2.0) for s in range(16, 60)], "baselines": [(1, 59, 1.0)],
+             "slowdown_ratio": 1.5}
+    d = {"max_steps": 100, "speed": speed, "health": [drop, back]}
     svg = throughput_chart(d)
     page = Page(svg)
     assert not page.errors and len(page.find("rect", "slow")) == 1
     assert [m["data-kind"] for m in page.find("g", "throughput")] == ["throughput_drop", "throughput_recovered"]
-    assert "no step times" in throughput_chart({"max_steps": 10, "step_times": [], "health": []})
+    assert len(page.find("line", "baseline")) == len(page.find("line", "threshold")) == 1
+    assert "no step times" in throughput_chart({"max_steps": 10, "speed": {}, "health": []})

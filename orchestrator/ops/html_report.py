@@ -121,11 +121,18 @@ def loss_chart(d: dict) -> str:
     else:
         out.append(f'<text x="{ML + pw / 2}" y="{MT + ph / 2}" text-anchor="middle" class="muted">'
                    'no loss logged yet</text>')
+    n_band = 0
     for ev, first, last in health:
         x0, x, col = X(first), X(last), HEALTH_COLORS.get(ev["kind"], "#7f7f7f")
-        tip = f"{ev['kind']} (steps {first}-{last}): {ev['message']}" if first != last else f"{ev['kind']}: {ev['message']}"
-        band = (f'<rect x="{x0:.1f}" y="{MT}" width="{x - x0:.1f}" height="{ph}" fill="{col}" fill-opacity="0.12"/>'
-                if x > x0 else "")
+        tip = (f"{ev['kind']} (steps {first}-{last}, found {delay_text(first, last)}): {ev['message']}"
+               if first != last else f"{ev['kind']}: {ev['message']}")
+        band = ""
+        if x > x0:   # from the onset to the finding, with the detection delay written in it
+            ty, n_band = MT + 44 + 14 * (n_band % 4), n_band + 1   # under the markers, over the curve's start
+            band = (f'<rect x="{x0:.1f}" y="{MT}" width="{x - x0:.1f}" height="{ph}" fill="{col}" fill-opacity="0.12"/>'
+                    f'<text class="delay" x="{x - 4 if x - ML > 340 else x + 4:.1f}" y="{ty:.1f}"'
+                    f' text-anchor="{"end" if x - ML > 340 else "start"}" style="fill:{col};font-weight:600;'
+                    f'paint-order:stroke;stroke:#fff;stroke-width:3px">{e(ev["kind"])}: onset {first}, found at {last} ({delay_text(first, last)})</text>')
         out.append(f'<g class="health" data-kind="{e(ev["kind"])}"><title>{e(tip)}</title>{band}'
                    f'<path d="M{x:.1f},{MT + 14:.1f} l6,7 l-6,7 l-6,-7 z" fill="{col}"/>'
                    f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{MT + 28}" y2="{MT + ph}" stroke="{col}" stroke-width="1"'
@@ -155,6 +162,11 @@ def loss_chart(d: dict) -> str:
     return "".join(out)
 
 
+def delay_text(first: int, last: int) -> str:
+    """A finding's detection delay: how many steps after its onset it was found."""
+    return f"{last - first} step{'s' if last - first != 1 else ''} after the onset"
+
+
 def slow_spells(events: list[dict], last_step: int) -> list[tuple[int, int]]:
     """The (first, last) steps of each throughput_drop until its throughput_recovered (or the last step)."""
     spells, start = [], None
@@ -171,36 +183,56 @@ def slow_spells(events: list[dict], last_step: int) -> list[tuple[int, int]]:
 
 
 def throughput_chart(d: dict) -> str:
-    """Seconds per step over the steps (the trainer's own speed figure), slow spells shaded, each
-    throughput_drop / throughput_recovered marked with its measured seconds per step."""
-    pts = thin(d.get("step_times", []))
+    """Seconds per step as the throughput detector judges them (report.judged_speed): each measurement, the
+    median it compares, the attempt's baseline and the drop threshold; slow spells shaded, each
+    throughput_drop / throughput_recovered marked with its measured seconds per step. The trainer's own
+    figure, an average since its start, is not plotted: it hides a drop."""
+    sp = d.get("speed") or {}
+    meas, cur, bases = thin(sp.get("measured", [])), thin(sp.get("current", [])), sp.get("baselines", [])
+    ratio = sp.get("slowdown_ratio", 1.5)
     marks = [ev for ev in d.get("health", []) if ev["kind"] in ("throughput_drop", "throughput_recovered")]
-    if not pts and not marks:
+    if not meas and not marks:
         return '<p class="muted">no step times logged yet</p>'
-    x1 = max([d["max_steps"] or 0, 1] + [s for s, _ in pts] + [(ev.get("data") or {}).get("step", 0) for ev in marks])
-    ys = [v for _, v in pts] + [(ev.get("data") or {}).get(k, 0.0) for ev in marks for k in ("current_s", "baseline_s")]
-    y1 = max(ys) * 1.1 or 1.0
-    h, top = 160, 14   # no crash labels above this one
+    x1 = max([d["max_steps"] or 0, 1] + [s for s, _ in meas] + [(ev.get("data") or {}).get("step", 0) for ev in marks])
+    # the judged median, the threshold and the markers set the scale; a lone slow measurement is clipped
+    ys = ([v for _, v in cur] + [b * ratio for *_, b in bases]
+          + [(ev.get("data") or {}).get(k, 0.0) for ev in marks for k in ("current_s", "baseline_s")])
+    y1 = (max(ys) if ys else max(v for _, v in meas)) * 1.15 or 1.0
+    h, top = 200, 14   # no crash labels above this one
     pw, ph = W - ML - MR, h - top - 24
 
     def X(step: float) -> float:
         return ML + pw * step / x1
 
     def Y(v: float) -> float:
-        return top + ph * (1 - v / y1)
+        return top + ph * (1 - min(v, y1) / y1)
 
     out = [f'<svg viewBox="0 0 {W} {h}" width="{W}" height="{h}" role="img" aria-label="seconds per step">',
            f'<rect x="{ML}" y="{top}" width="{pw}" height="{ph}" fill="#fbfcfd" stroke="#d5dae0"/>']
-    for t in nice_ticks(0, y1, 3):
-        out.append(f'<text x="{ML - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>')
+    for t in nice_ticks(0, y1, 4):
+        out.append(f'<line x1="{ML}" x2="{ML + pw}" y1="{Y(t):.1f}" y2="{Y(t):.1f}" stroke="#eceff2"/>'
+                   f'<text x="{ML - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>')
+    for t in nice_ticks(0, x1, 8):
+        out.append(f'<text x="{X(t):.1f}" y="{top + ph + 16}" text-anchor="middle">{fmt_num(t)}</text>')
     out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" text-anchor="middle">s/step</text>')
     for a, b in slow_spells(marks, int(x1)):
         out.append(f'<rect class="slow" x="{X(a):.1f}" y="{top}" width="{max(X(b) - X(a), 2):.1f}" height="{ph}"'
                    f' fill="#17becf" fill-opacity="0.15"><title>slow: steps {a}-{b}</title></rect>')
-    if pts:
-        coords = " ".join(f"{X(s):.1f},{Y(v):.1f}" for s, v in pts)
-        out.append(f'<polyline class="step-time" fill="none" stroke="#6c7a89" stroke-width="1.4" points="{coords}">'
-                   f'<title>the trainer\'s seconds per step (its running average), {len(pts)} logged steps</title></polyline>')
+    for a, b, base in bases:
+        for cls, v, col, what in (("baseline", base, "#2e9d5b", "baseline"),
+                                  ("threshold", base * ratio, "#c0392b", f"drop threshold ({ratio:g}x baseline)")):
+            out.append(f'<line class="{cls}" x1="{X(a):.1f}" x2="{X(b):.1f}" y1="{Y(v):.1f}" y2="{Y(v):.1f}" stroke="{col}"'
+                       f' stroke-width="1.2" stroke-dasharray="6 4"><title>{e(f"{what}: {v:.3g} s/step, steps {a}-{b}")}'
+                       f'</title></line>')
+    if meas:
+        dots = "".join(f'<circle cx="{X(s):.1f}" cy="{Y(v):.1f}" r="1.6"/>' for s, v in meas)
+        out.append(f'<g class="measured" fill="#9aa5b1"><title>measured seconds per step, {len(meas)} measurements'
+                   f'</title>{dots}</g>')
+    if cur:
+        coords = " ".join(f"{X(s):.1f},{Y(v):.1f}" for s, v in cur)
+        out.append(f'<polyline class="judged" fill="none" stroke="#1f5fa8" stroke-width="1.8" points="{coords}">'
+                   f'<title>judged seconds per step (median of the recent measurements), {len(cur)} points'
+                   f'</title></polyline>')
     for ev in marks:
         data = ev.get("data") or {}
         if "step" in data and "current_s" in data:
@@ -208,7 +240,10 @@ def throughput_chart(d: dict) -> str:
             out.append(f'<g class="throughput" data-kind="{e(ev["kind"])}"><title>{e(ev["kind"] + ": " + ev["message"])}</title>'
                        f'<circle cx="{X(data["step"]):.1f}" cy="{Y(data["current_s"]):.1f}" r="4" fill="{col}"/></g>')
     out.append("</svg>")
-    return "".join(out)
+    legend = [("#1f5fa8", "judged s/step (median)"), ("#9aa5b1", "measured"), ("#2e9d5b", "baseline"),
+              ("#c0392b", f"drop threshold ({ratio:g}x)")]
+    return "".join(out) + '<p class="legend">' + "".join(
+        f'<span class="item"><span class="chip" style="background:{c}"></span>{e(t)}</span>' for c, t in legend) + "</p>"
 
 
 def health_marks(events: list[dict]) -> list[tuple[dict, int, int]]:

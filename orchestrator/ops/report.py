@@ -17,8 +17,10 @@ from orchestrator.domain import goodput, progress
 from orchestrator.domain.health import HEALTH_KINDS
 from orchestrator.domain.costs import mean_save
 from orchestrator.host.journal_goodput import goodput_of
+from orchestrator.domain.throughput import ThroughputParams
 from orchestrator.domain.verdict import NO_OOM_RECORD
 from orchestrator.host.journal import Journal, journal_path
+from orchestrator.ops import step_speed
 from orchestrator.store.published import publish_dir
 from orchestrator.store.published import published_steps as own_published_steps
 from orchestrator.store.rundir import state_dir
@@ -327,7 +329,20 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
         "attempts": [attempt_row(a) for a in attempts],
         "goodput": st["goodput_detail"], "sync": st["sync"], "events": j.events(30), "costs": st["costs"],
         "health": j.events_of(HEALTH_KINDS), "advice": st["advice"],
+        "speed": judged_speed(r, out / "logging.jsonl", attempts, j.checkpoints()),
     }
+
+
+def judged_speed(r: Recipe, path: Path, attempts: list[Attempt], ckpts: list[dict]) -> dict:
+    """The seconds per step the throughput detector judges, its median and baseline (step_speed.py),
+    rebuilt from the step records' times in logging.jsonl with this recipe's [health] settings."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        lines = []
+    segments = step_speed.timed_steps(lines, [a.start_step or 0 for a in attempts])
+    params = ThroughputParams.from_health(r.health.slowdown_ratio, r.health.slowdown_window_s)
+    return step_speed.judged(segments, {c["step"] for c in ckpts}, params)
 
 
 def write_html(r: Recipe, j: Journal, output: Path | None) -> str:
