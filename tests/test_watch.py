@@ -116,6 +116,53 @@ def test_a_stopped_trainer_is_advised_as_hung_and_left_alone(tmp_path, procs):
     assert psutil.Process(trainer.pid).status() == psutil.STATUS_STOPPED
 
 
+def test_take_over_hang_stops_the_stopped_trainer_and_the_new_attempt_completes(tmp_path, procs):
+    """--take-over=hang: the SIGSTOPped trainer is advised as hung, then stopped as `run` stops one (its group
+    continued and SIGTERMed, SIGKILL after grace_s), and the run taken over from the newest verified checkpoint."""
+    r = fake_recipe(tmp_path, iterations=400, save_steps=10, extra_env={"FAKE_STEP_S": "0.02"},
+                    supervisor={"hang_timeout_s": 3})
+    trainer, w = attach(tmp_path, r, procs, "--take-over=hang")
+    out = tmp_path / "out"
+    assert wait_for(lambda: len(events(out, "checkpoint")) >= 1, 120, 0.05)
+    os.kill(trainer.pid, signal.SIGSTOP)
+    assert out_of(w, tmp_path) == 0, (tmp_path / "watch.err").read_text()
+    assert trainer.poll() is not None, "the hung trainer was stopped by the watcher"
+    first, second = attempts(out)
+    assert first.kind == AttemptKind.OBSERVED and first.cls is CrashClass.NCCL_TIMEOUT_HANG
+    assert "no new training step" in first.evidence[0] and first.signal in (signal.SIGTERM, signal.SIGKILL)
+    every = events(out)  # oldest first
+    handed = next(i for i, e in enumerate(every) if e["kind"] == "take_over")
+    newest = max(int(e["message"].rsplit("-", 1)[1]) for e in every[:handed] if e["kind"] == "checkpoint")
+    assert second.n == 2 and second.kind == AttemptKind.TRAIN and second.cls is None and second.end_step == 400
+    assert second.resumed_from == str(out / f"checkpoint-{second.start_step}") and second.start_step >= 10
+    assert second.start_step == newest
+    hung, ended = events(out, "advice")
+    assert hung["data"]["action"] == "kill_and_relaunch" and hung["message"].startswith("hung for ")
+    assert ended["data"]["action"] == "relaunch"
+    assert [e["message"] for e in events(out, "take_over")][0].startswith("attempt 1 hung: stopping pid ")
+    assert state_of(out) == "completed"
+
+
+def test_a_run_health_stop_blocks_the_take_over(tmp_path, procs):
+    """A loss over health.loss_max is advised as a stop; when the trainer then crashes, --take-over relaunches
+    nothing (no automatic relaunch into a run health said to stop): the crash advised, exit 3."""
+    r = fake_recipe(tmp_path, iterations=40, save_steps=10, faults="nccl_error@25", extra_env=SLOW,
+                    health={"loss_max": 1.0})  # the fake's loss starts at 2.5 and ends near 0.9
+    _trainer, w = attach(tmp_path, r, procs, "--take-over")
+    assert out_of(w, tmp_path) == 3, (tmp_path / "watch.err").read_text()
+    out = tmp_path / "out"
+    [a] = attempts(out)  # nothing relaunched
+    assert a.kind == AttemptKind.OBSERVED and a.cls is CrashClass.NCCL_ERROR
+    stop, ended = events(out, "advice")
+    assert stop["data"]["action"] == "stop" and "over the limit 1 (health.loss_max)" in stop["message"]
+    assert stop["data"]["command"] == f"kill {_trainer.pid}"
+    assert ended["data"]["action"] == "relaunch"
+    [not_taken] = events(out, "take_over")
+    assert not_taken["message"].startswith("not taken over: run health advised: would stop: loss_limit: loss 2.")
+    assert state_of(out) == "gave_up"
+    assert not list(out.glob(".orchestrator/attempts/attempt-*.log"))
+
+
 def test_a_stale_save_is_advised_and_left_in_place(tmp_path, procs):
     r = fake_recipe(tmp_path, iterations=30, save_steps=10, extra_env={**SLOW, "FAKE_STALE_SAVE": "20"})
     _trainer, w = attach(tmp_path, r, procs)
