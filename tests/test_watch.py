@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from by_hand import end, start_by_hand, watcher
+from by_hand import end, kill_unseen, start_by_hand, start_reaped, watcher
 from supervised import attempts, cli, events, fake_recipe, journal, supervise, wait_for
 
 from orchestrator.types import AttemptKind, CrashClass
@@ -189,6 +189,61 @@ def test_a_nan_is_advised_and_every_checkpoint_left_in_place(tmp_path, procs):
     # `run` acts on the advice: the NaN's checkpoints set aside, the relaunch from checkpoint-10
     code, sup = supervise(r, healthy=False)
     assert code == 0 and attempts(out)[-1].resumed_from.endswith("checkpoint-10")
+
+
+def attach_reaped(tmp: Path, recipe: Path, procs: list, *args: str, **env: str) -> tuple[int, subprocess.Popen]:
+    """As attach, with the trainer under a parent that reaps it the moment it ends (a shell running it): the
+    watcher never sees its exit status."""
+    parent, pid = start_reaped(recipe, **env)
+    procs.append(parent)
+    w = watcher(str(recipe), *args, cwd=tmp)
+    procs.append(w)
+    assert wait_for(lambda: events(tmp / "out", "watch") or w.poll() is not None, 120, 0.05)
+    assert w.poll() is None, (tmp / "watch.err").read_text()
+    os.kill(pid, signal.SIGCONT)
+    return pid, w
+
+
+def test_a_run_whose_shell_reaps_it_completes_with_no_advice(tmp_path, procs):
+    """The exit status is unknown, and every step was logged: completed, exit 0, nothing advised."""
+    r = fake_recipe(tmp_path, iterations=30, save_steps=10, extra_env=SLOW)
+    pid, w = attach_reaped(tmp_path, r, procs)
+    assert out_of(w, tmp_path) == 0, (tmp_path / "watch.err").read_text()
+    out = tmp_path / "out"
+    [a] = attempts(out)
+    assert a.kind == AttemptKind.OBSERVED and a.pid == pid and a.end_step == 30 and a.cls is None
+    assert not events(out, "advice") and not events(out, "crash") and events(out, "complete")
+
+
+def test_a_kill_9_of_a_run_whose_shell_reaps_it_is_judged_without_its_exit_status(tmp_path, procs):
+    """The status unknown, a log that ends mid-run in progress alone: judged as a SIGKILL (host_oom_killed), the
+    relaunch advised; the evidence says what was known and what was judged."""
+    r = fake_recipe(tmp_path, iterations=400, save_steps=10, extra_env={"FAKE_STEP_S": "0.02"})
+    pid, w = attach_reaped(tmp_path, r, procs)
+    out = tmp_path / "out"
+    assert wait_for(lambda: len(events(out, "checkpoint")) >= 2, 120, 0.05)
+    kill_unseen(pid, w.pid)
+    assert out_of(w, tmp_path) == 3, (tmp_path / "watch.err").read_text()
+    [a] = attempts(out)  # nothing launched
+    assert a.kind == AttemptKind.OBSERVED and a.signal is None and a.exit_code is None
+    assert a.cls is CrashClass.HOST_OOM_KILLED
+    assert a.evidence[0].startswith(f"exit status unknown: pid {pid} was not started by the orchestrator")
+    assert any(e.startswith("the trainer ended mid-run and its log says nothing of why: judged as a SIGKILL")
+               for e in a.evidence), a.evidence
+    [adv] = events(out, "advice")
+    assert adv["data"]["action"] == "relaunch" and adv["message"].startswith(
+        "the trainer ended (exit status unknown: not the watcher's child), classified host_oom_killed: would "
+        "relaunch from checkpoint-"), adv
+    assert not list(out.glob(".orchestrator/attempts/attempt-*.log"))
+
+
+def test_a_crash_of_a_run_whose_shell_reaps_it_is_classified_from_its_log_and_taken_over(tmp_path, procs):
+    r = fake_recipe(tmp_path, iterations=40, save_steps=10, faults="nccl_error@25", extra_env=SLOW)
+    _pid, w = attach_reaped(tmp_path, r, procs, "--take-over")
+    assert out_of(w, tmp_path) == 0, (tmp_path / "watch.err").read_text()
+    first, second = attempts(tmp_path / "out")
+    assert first.kind == AttemptKind.OBSERVED and first.cls is CrashClass.NCCL_ERROR  # its log says so
+    assert second.kind == AttemptKind.TRAIN and second.resumed_from.endswith("checkpoint-20") and second.end_step == 40
 
 
 def one_error(p: subprocess.CompletedProcess) -> str:
