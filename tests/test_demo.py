@@ -207,3 +207,42 @@ def test_demo_watch_starts_the_trainer_by_hand_advises_the_kill_and_takes_over(t
     # the next commands work on the watched-then-supervised run
     s = cli("history", str(work / "demo-cpu.toml"), "--json")
     assert s.returncode == 0 and [a["kind"] for a in json.loads(s.stdout)["attempts"]] == ["observed", "train"]
+
+
+def test_end_by_hand_kills_a_trainer_still_running_with_its_group_and_reaps_a_finished_one():
+    """The demo's hand-started trainer is never left running: an interrupted demo kills its whole group (a swift
+    launcher and its training child), a finished one is only reaped."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    said: list[str] = []
+    running = subprocess.Popen(["sh", "-c", "sleep 60 & exec sleep 60"], start_new_session=True)
+    child = psutil.Process(running.pid)
+    try:
+        assert wait_children(child)
+        grandchildren = [c.pid for c in child.children()]
+        demo.end_by_hand(running, say=said.append)
+        assert running.returncode == -9 and said == [f"demo: the demo was interrupted: killed the trainer it "
+                                                      f"started (kill -9 -{running.pid})"]
+        assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+                   for p in grandchildren)
+    finally:
+        if running.poll() is None:
+            os.killpg(running.pid, 9)
+            running.wait()
+    finished = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    finished.wait()
+    said.clear()
+    demo.end_by_hand(finished, say=said.append)
+    assert finished.returncode == 0 and said == []
+
+
+def wait_children(p, timeout: float = 30) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not p.children() and time.monotonic() < deadline:  # the shell's fork: no handle to wait on
+        time.sleep(0.01)
+    return bool(p.children())

@@ -166,7 +166,7 @@ def start_by_hand(r: Recipe, say=print) -> subprocess.Popen:
     return proc
 
 
-def end_by_hand(proc: subprocess.Popen) -> None:
+def end_by_hand(proc: subprocess.Popen, say=print) -> None:
     """Reaps the trainer start_by_hand started; one still running (the demo was interrupted) is killed with its
     process group first: the demo leaves nothing running."""
     if proc.poll() is None:
@@ -174,6 +174,7 @@ def end_by_hand(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
+        say(f"demo: the demo was interrupted: killed the trainer it started (kill -9 -{proc.pid})")
     proc.wait()
 
 
@@ -189,7 +190,7 @@ def watch_by_hand(r: Recipe, path: Path, on_start, say=print, echo=print) -> Exi
     try:
         return watch(r, str(path), (), trainer.pid, "crash", echo=echo, on_start=on_start)
     finally:
-        end_by_hand(trainer)
+        end_by_hand(trainer, say=say)
 
 
 # ------------------------------------------------------------------------------------------ what to try next
