@@ -226,8 +226,7 @@ def test_end_by_hand_kills_a_trainer_still_running_with_its_group_and_reaps_a_fi
         demo.end_by_hand(running, say=said.append)
         assert running.returncode == -9 and said == [f"demo: the demo was interrupted: killed the trainer it "
                                                       f"started (kill -9 -{running.pid})"]
-        assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
-                   for p in grandchildren)
+        assert wait_gone(grandchildren), "the group's other process was killed too"
     finally:
         if running.poll() is None:
             os.killpg(running.pid, 9)
@@ -246,3 +245,21 @@ def wait_children(p, timeout: float = 30) -> bool:
     while not p.children() and time.monotonic() < deadline:  # the shell's fork: no handle to wait on
         time.sleep(0.01)
     return bool(p.children())
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> bool:
+    """A bounded poll until every pid is gone or a zombie (a SIGKILL lands when the process is next scheduled)."""
+    import time
+
+    import psutil
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + timeout
+    while not all(map(gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return all(map(gone, pids))

@@ -101,8 +101,9 @@ def metric(port: int, name: str) -> float | None:
 
 
 def nothing_launched(out: Path) -> None:
-    """No trainer writes to the run's output_dir any more, and no attempt log of a launch exists."""
-    assert trainer_find.find(out) == []
+    """No trainer writes to the run's output_dir any more (a SIGKILLed one within a bound: it dies when next
+    scheduled), and no attempt log of a launch exists."""
+    assert wait_for(lambda: trainer_find.find(out) == [], 60, 0.05), trainer_find.find(out)
     assert not list(out.glob(".orchestrator/attempts/attempt-*.log"))
 
 
