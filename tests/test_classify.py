@@ -14,6 +14,7 @@ from orchestrator.domain.classify import (
     RULES,
     WINDOW,
     classify,
+    says_why,
     strip_prefixes,
 )
 from orchestrator.types import CrashClass, ExitStatus, Phase
@@ -482,3 +483,26 @@ def test_evidence_when_nothing_matches(lines: list[str], exit: ExitStatus | None
     crash = classify("\n".join(lines), exit=exit)
     assert crash.cls is CrashClass.OTHER
     assert crash.evidence == evidence
+
+
+# ---------------------------------------------------------------- a log that says why it ended (watch mode)
+TQDM = "Train:  43%|████▎     | 13/30 [00:02<00:03,  5.12it/s]"
+SAYS_WHY = [
+    ("progress_only", [PROGRESS % 12, TQDM, PROGRESS % 13], False),
+    ("nothing", [], False),
+    ("startup_info_and_warnings", ["[INFO:swift] Loading the model using model_dir: /m",
+                                   "UserWarning: TypedStorage is deprecated", PROGRESS % 1], False),
+    ("a_traceback_no_rule_names", [PROGRESS % 3, "Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+                                   "KeyError: 'labels'"], True),
+    ("a_rule_matches", [PROGRESS % 3, f"[rank3]: {OOM}"], True),
+    ("the_shell_says_killed", [PROGRESS % 3, "Killed"], True),
+    ("a_sigterm_is_logged", ["Sending process 9990 closing signal SIGTERM", "  exitcode  : -15 (pid: 9990)"], True),
+    ("an_error_line", [PROGRESS % 3, "ERROR: failed to write checkpoint-10"], True),
+]
+
+
+@pytest.mark.parametrize("lines, expected", [c[1:] for c in SAYS_WHY], ids=[c[0] for c in SAYS_WHY])
+def test_says_why(lines: list[str], expected: bool) -> None:
+    """A log that ends in progress alone says nothing of why its process ended (a SIGKILL's mark when the exit
+    status is unknown); an exception, a rule's match, an error-looking line say something."""
+    assert says_why("\n".join(lines)) is expected

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -154,9 +155,111 @@ def test_the_demo_keeps_its_node_history_apart_from_the_machines(tmp_path, monke
 
     monkeypatch.setattr(tiny, "build", lambda workdir: workdir.mkdir(parents=True, exist_ok=True))
     monkeypatch.setattr(cli, "supervise", supervise)
-    monkeypatch.setattr(demo, "inject_kill", lambda sup, step, say: None)
+    monkeypatch.setattr(demo, "inject_kill", lambda sup, step, say, then: None)
     r = CliRunner().invoke(cli.main, ["demo", "--workdir", str(tmp_path / "w")], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert seen["path"] == tmp_path / "w" / "node-state" / "node.json"
     assert json.loads(seen["path"].read_text())["runs"]["demo-cpu-run"]["failures"] == 1
     assert not (machine / "node.json").exists()
+
+
+@pytest.mark.swift
+@pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")
+def test_demo_watch_starts_the_trainer_by_hand_advises_the_kill_and_takes_over(tiny, tmp_path):
+    """`demo --watch`: the trainer started with nohup in its own session, watched; the SIGKILL classified and
+    advised by the watcher (attempt 1, observed), then the run taken over and completed (attempt 2, train)."""
+    from orchestrator.host import trainer_find
+
+    work = tmp_path / "w"
+    shutil.copytree(tiny["model"], work / "tiny-moe")  # built once per session (tiny.build skips a built one)
+    shutil.copy(tiny["data"], work / "data.jsonl")
+    lo, hi = free_port_range(20)
+    p = cli("demo", "--watch", "--workdir", str(work), "--crash-at", "13", "--set", "optim.iterations=30",
+            "--set", 'checkpoint.merge="never"', "--set", 'metrics.listen="127.0.0.1:0"',
+            "--set", "metrics.linger_s=0", "--set", f"supervisor.port_range=[{lo}, {hi}]", cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = work / "run" / "out"
+    j = journal(out)
+    try:
+        watched, resumed = j.attempts()
+        advice = [e for e in j.events(1000) if e["kind"] == "advice"]
+        take_over = [e for e in j.events(1000) if e["kind"] == "take_over"]
+        state = j.get_all()["state"]
+    finally:
+        j.close()
+    # started by hand: the console shows the nohup command, and the observed attempt is that process
+    started = re.search(r"demo: started the trainer by hand, as you would \(pid (\d+)\)", p.stdout)
+    assert started and int(started.group(1)) == watched.pid, p.stdout
+    assert f"nohup swift sft --model {work / 'tiny-moe'}" in p.stdout and "> train.log 2>&1 &" in p.stdout
+    assert watched.kind == "observed" and watched.log_path == str(out / "train.log")
+    # the kill: told at the step it hit, classified from the zombie's status, advised, then taken over
+    told = re.search(r"demo: injected SIGKILL into the trainer .* at step (\d+)", p.stdout)
+    assert told and int(told.group(1)) == watched.end_step >= 13, p.stdout
+    assert "The watcher now classifies the crash" in p.stdout
+    assert watched.signal == 9 and watched.cls.value == "host_oom_killed"
+    [adv] = advice
+    assert adv["data"]["action"] == "relaunch" and "would relaunch from checkpoint-10" in adv["message"]
+    assert f"advice: {adv['message']}" in p.stderr and "taking over" in p.stderr
+    assert take_over and resumed.n == 2 and resumed.kind == "train"
+    assert resumed.resumed_from == str(out / "checkpoint-10") and resumed.end_step == 30 and resumed.cls is None
+    assert state == "completed" and (out / "checkpoint-30").is_dir()
+    assert trainer_find.find(out) == []  # nothing left running
+    # the next commands work on the watched-then-supervised run
+    s = cli("history", str(work / "demo-cpu.toml"), "--json")
+    assert s.returncode == 0 and [a["kind"] for a in json.loads(s.stdout)["attempts"]] == ["observed", "train"]
+
+
+def test_end_by_hand_kills_a_trainer_still_running_with_its_group_and_reaps_a_finished_one():
+    """The demo's hand-started trainer is never left running: an interrupted demo kills its whole group (a swift
+    launcher and its training child), a finished one is only reaped."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    said: list[str] = []
+    running = subprocess.Popen(["sh", "-c", "sleep 60 & exec sleep 60"], start_new_session=True)
+    child = psutil.Process(running.pid)
+    try:
+        assert wait_children(child)
+        grandchildren = [c.pid for c in child.children()]
+        demo.end_by_hand(running, say=said.append)
+        assert running.returncode == -9 and said == [f"demo: the demo was interrupted: killed the trainer it "
+                                                      f"started (kill -9 -{running.pid})"]
+        assert wait_gone(grandchildren), "the group's other process was killed too"
+    finally:
+        if running.poll() is None:
+            os.killpg(running.pid, 9)
+            running.wait()
+    finished = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    finished.wait()
+    said.clear()
+    demo.end_by_hand(finished, say=said.append)
+    assert finished.returncode == 0 and said == []
+
+
+def wait_children(p, timeout: float = 30) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not p.children() and time.monotonic() < deadline:  # the shell's fork: no handle to wait on
+        time.sleep(0.01)
+    return bool(p.children())
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> bool:
+    """A bounded poll until every pid is gone or a zombie (a SIGKILL lands when the process is next scheduled)."""
+    import time
+
+    import psutil
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + timeout
+    while not all(map(gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return all(map(gone, pids))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from by_hand import end, start_by_hand, watcher
+from by_hand import end, kill_unseen, start_by_hand, start_reaped, watcher
 from supervised import attempts, cli, events, fake_recipe, journal, supervise, wait_for
 
 from orchestrator.types import AttemptKind, CrashClass
@@ -116,6 +116,53 @@ def test_a_stopped_trainer_is_advised_as_hung_and_left_alone(tmp_path, procs):
     assert psutil.Process(trainer.pid).status() == psutil.STATUS_STOPPED
 
 
+def test_take_over_hang_stops_the_stopped_trainer_and_the_new_attempt_completes(tmp_path, procs):
+    """--take-over=hang: the SIGSTOPped trainer is advised as hung, then stopped as `run` stops one (its group
+    continued and SIGTERMed, SIGKILL after grace_s), and the run taken over from the newest verified checkpoint."""
+    r = fake_recipe(tmp_path, iterations=400, save_steps=10, extra_env={"FAKE_STEP_S": "0.02"},
+                    supervisor={"hang_timeout_s": 3})
+    trainer, w = attach(tmp_path, r, procs, "--take-over=hang")
+    out = tmp_path / "out"
+    assert wait_for(lambda: len(events(out, "checkpoint")) >= 1, 120, 0.05)
+    os.kill(trainer.pid, signal.SIGSTOP)
+    assert out_of(w, tmp_path) == 0, (tmp_path / "watch.err").read_text()
+    assert trainer.poll() is not None, "the hung trainer was stopped by the watcher"
+    first, second = attempts(out)
+    assert first.kind == AttemptKind.OBSERVED and first.cls is CrashClass.NCCL_TIMEOUT_HANG
+    assert "no new training step" in first.evidence[0] and first.signal in (signal.SIGTERM, signal.SIGKILL)
+    every = events(out)  # oldest first
+    handed = next(i for i, e in enumerate(every) if e["kind"] == "take_over")
+    newest = max(int(e["message"].rsplit("-", 1)[1]) for e in every[:handed] if e["kind"] == "checkpoint")
+    assert second.n == 2 and second.kind == AttemptKind.TRAIN and second.cls is None and second.end_step == 400
+    assert second.resumed_from == str(out / f"checkpoint-{second.start_step}") and second.start_step >= 10
+    assert second.start_step == newest
+    hung, ended = events(out, "advice")
+    assert hung["data"]["action"] == "kill_and_relaunch" and hung["message"].startswith("hung for ")
+    assert ended["data"]["action"] == "relaunch"
+    assert [e["message"] for e in events(out, "take_over")][0].startswith("attempt 1 hung: stopping pid ")
+    assert state_of(out) == "completed"
+
+
+def test_a_run_health_stop_blocks_the_take_over(tmp_path, procs):
+    """A loss over health.loss_max is advised as a stop; when the trainer then crashes, --take-over relaunches
+    nothing (no automatic relaunch into a run health said to stop): the crash advised, exit 3."""
+    r = fake_recipe(tmp_path, iterations=40, save_steps=10, faults="nccl_error@25", extra_env=SLOW,
+                    health={"loss_max": 1.0})  # the fake's loss starts at 2.5 and ends near 0.9
+    _trainer, w = attach(tmp_path, r, procs, "--take-over")
+    assert out_of(w, tmp_path) == 3, (tmp_path / "watch.err").read_text()
+    out = tmp_path / "out"
+    [a] = attempts(out)  # nothing relaunched
+    assert a.kind == AttemptKind.OBSERVED and a.cls is CrashClass.NCCL_ERROR
+    stop, ended = events(out, "advice")
+    assert stop["data"]["action"] == "stop" and "over the limit 1 (health.loss_max)" in stop["message"]
+    assert stop["data"]["command"] == f"kill {_trainer.pid}"
+    assert ended["data"]["action"] == "relaunch"
+    [not_taken] = events(out, "take_over")
+    assert not_taken["message"].startswith("not taken over: run health advised: would stop: loss_limit: loss 2.")
+    assert state_of(out) == "gave_up"
+    assert not list(out.glob(".orchestrator/attempts/attempt-*.log"))
+
+
 def test_a_stale_save_is_advised_and_left_in_place(tmp_path, procs):
     r = fake_recipe(tmp_path, iterations=30, save_steps=10, extra_env={**SLOW, "FAKE_STALE_SAVE": "20"})
     _trainer, w = attach(tmp_path, r, procs)
@@ -142,6 +189,61 @@ def test_a_nan_is_advised_and_every_checkpoint_left_in_place(tmp_path, procs):
     # `run` acts on the advice: the NaN's checkpoints set aside, the relaunch from checkpoint-10
     code, sup = supervise(r, healthy=False)
     assert code == 0 and attempts(out)[-1].resumed_from.endswith("checkpoint-10")
+
+
+def attach_reaped(tmp: Path, recipe: Path, procs: list, *args: str, **env: str) -> tuple[int, subprocess.Popen]:
+    """As attach, with the trainer under a parent that reaps it the moment it ends (a shell running it): the
+    watcher never sees its exit status."""
+    parent, pid = start_reaped(recipe, **env)
+    procs.append(parent)
+    w = watcher(str(recipe), *args, cwd=tmp)
+    procs.append(w)
+    assert wait_for(lambda: events(tmp / "out", "watch") or w.poll() is not None, 120, 0.05)
+    assert w.poll() is None, (tmp / "watch.err").read_text()
+    os.kill(pid, signal.SIGCONT)
+    return pid, w
+
+
+def test_a_run_whose_shell_reaps_it_completes_with_no_advice(tmp_path, procs):
+    """The exit status is unknown, and every step was logged: completed, exit 0, nothing advised."""
+    r = fake_recipe(tmp_path, iterations=30, save_steps=10, extra_env=SLOW)
+    pid, w = attach_reaped(tmp_path, r, procs)
+    assert out_of(w, tmp_path) == 0, (tmp_path / "watch.err").read_text()
+    out = tmp_path / "out"
+    [a] = attempts(out)
+    assert a.kind == AttemptKind.OBSERVED and a.pid == pid and a.end_step == 30 and a.cls is None
+    assert not events(out, "advice") and not events(out, "crash") and events(out, "complete")
+
+
+def test_a_kill_9_of_a_run_whose_shell_reaps_it_is_judged_without_its_exit_status(tmp_path, procs):
+    """The status unknown, a log that ends mid-run in progress alone: judged as a SIGKILL (host_oom_killed), the
+    relaunch advised; the evidence says what was known and what was judged."""
+    r = fake_recipe(tmp_path, iterations=400, save_steps=10, extra_env={"FAKE_STEP_S": "0.02"})
+    pid, w = attach_reaped(tmp_path, r, procs)
+    out = tmp_path / "out"
+    assert wait_for(lambda: len(events(out, "checkpoint")) >= 2, 120, 0.05)
+    kill_unseen(pid, w.pid)
+    assert out_of(w, tmp_path) == 3, (tmp_path / "watch.err").read_text()
+    [a] = attempts(out)  # nothing launched
+    assert a.kind == AttemptKind.OBSERVED and a.signal is None and a.exit_code is None
+    assert a.cls is CrashClass.HOST_OOM_KILLED
+    assert a.evidence[0].startswith(f"exit status unknown: pid {pid} was not started by the orchestrator")
+    assert any(e.startswith("the trainer ended mid-run and its log says nothing of why: judged as a SIGKILL")
+               for e in a.evidence), a.evidence
+    [adv] = events(out, "advice")
+    assert adv["data"]["action"] == "relaunch" and adv["message"].startswith(
+        "the trainer ended (exit status unknown: not the watcher's child), classified host_oom_killed: would "
+        "relaunch from checkpoint-"), adv
+    assert not list(out.glob(".orchestrator/attempts/attempt-*.log"))
+
+
+def test_a_crash_of_a_run_whose_shell_reaps_it_is_classified_from_its_log_and_taken_over(tmp_path, procs):
+    r = fake_recipe(tmp_path, iterations=40, save_steps=10, faults="nccl_error@25", extra_env=SLOW)
+    _pid, w = attach_reaped(tmp_path, r, procs, "--take-over")
+    assert out_of(w, tmp_path) == 0, (tmp_path / "watch.err").read_text()
+    first, second = attempts(tmp_path / "out")
+    assert first.kind == AttemptKind.OBSERVED and first.cls is CrashClass.NCCL_ERROR  # its log says so
+    assert second.kind == AttemptKind.TRAIN and second.resumed_from.endswith("checkpoint-20") and second.end_step == 40
 
 
 def one_error(p: subprocess.CompletedProcess) -> str:

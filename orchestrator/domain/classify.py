@@ -319,6 +319,19 @@ def _run(raw: list[str], phase: Phase, exit: ExitStatus | None, step_line: str |
     return Crash(CrashClass.OTHER, tuple(s[:500] for s in evidence), phase)
 
 
+def says_why(text: str) -> bool:
+    """Tells whether a log's end shows an error at all (an exception, an error-looking line) or a rule's match:
+    a log that does not ends as a SIGKILL leaves it, its process gone with no word (what watch mode judges a
+    trainer by when its exit status is unknown)."""
+    if classify(text).cls is not CrashClass.OTHER:
+        return True
+    start = max(0, len(text) - WINDOW)
+    lines = _clean(text[start:])
+    code = {i + 1 for i, s in enumerate(lines[:-1]) if s.startswith("File ") and _FRAME_FN.match(s)
+            and not _EXC_LINE.match(lines[i + 1])}
+    return bool(_error_lines(lines, code))
+
+
 # ---- evidence when no rule decided: the last error-looking lines and the failing rank ------------
 _EXC_TYPE = re.compile(r"^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Failure)\b(?::|$)")
 _ERRORISH = re.compile(r"\b(?:errors?|failed|failure|fatal|abort(?:ed|ing)?|terminate called|segmentation fault|core dumped"

@@ -50,6 +50,8 @@ from orchestrator.domain import progress
 
 BACKLOG_BYTES = 4 << 20   # the end of the log read at attach, for the last step logged before the watch began
 HAND_OFF = "hand_off"     # Watch.run's answer when the run is to be handed to a Supervisor
+VANISHED = ("the trainer ended mid-run and its log says nothing of why: judged as a SIGKILL (the kernel's OOM "
+            "killer or a kill -9), which ends a process so")
 
 
 class MultiTail:
@@ -297,6 +299,10 @@ class Watch:
             if exit_ is not None and exit_.code == 0 and found.cls is CrashClass.OTHER:
                 found = Crash(CrashClass.OTHER, (f"trainer exited 0 at step {a.last.step if a.last else None} "
                                                  "before max steps",) + found.evidence, found.phase)
+            elif exit_ is None and self.logs and not a.at_end and not classify.says_why(text):
+                # Gone mid-run without a word, status unknown: only a SIGKILL (the OOM killer's, a kill -9) ends a
+                # trainer so (an exception, an exit, a SIGTERM's save all log); judged as one, as `run` would.
+                found = Crash(CrashClass.HOST_OOM_KILLED, (VANISHED,) + found.evidence, found.phase)
         r = self.recipe
         paths = {"output_dir": r.run.output_dir, "/dev/shm": "/dev/shm"} | (
             {"persistent_dir": r.run.persistent_dir} if r.run.persistent_dir else {})

@@ -132,12 +132,15 @@ def supervise(r: Recipe, on_start=None) -> ExitCode:
               show_default=True, help="Where the tiny model, data, run and the demo's recipe file go.")
 @click.option("--crash-at", type=int, default=15, show_default=True,
               help="SIGKILL the trainer at this step of the first attempt (0: no injected crash).")
+@click.option("--watch", "watch_mode", is_flag=True,
+              help="Start the trainer by hand (nohup) and `watch --take-over` it instead of running it supervised.")
 @SET
-def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
+def demo(workdir: Path, crash_at: int, watch_mode: bool, overrides: tuple[str, ...]) -> None:
     """Build a tiny MoE locally and run the demo recipe supervised, with one injected crash.
 
     The recipe it runs is written to WORKDIR/demo-cpu.toml (--set overrides folded in): give it to
-    status, history, report and run."""
+    status, history, report and run. With --watch the trainer is started by hand instead, as a user would,
+    and watched (`orchestrator watch --take-over`): the crash is advised, then the run taken over."""
     import shutil
     from importlib.resources import files
 
@@ -156,7 +159,8 @@ def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
     path = guide.write_recipe(packaged, workdir, overrides)
     r = load_recipe(path, ())
     click.echo(f"wrote the demo recipe to {path}")
-    click.echo(f"running {r.run.name}: {r.optim.iterations} steps, checkpoint every {r.checkpoint.save_steps}"
+    click.echo(f"{'watching' if watch_mode else 'running'} {r.run.name}: {r.optim.iterations} steps, checkpoint "
+               f"every {r.checkpoint.save_steps}"
                + (" (chosen at each launch)" if r.checkpoint.save_steps == "auto" else "")
                + (f"; a SIGKILL will hit the trainer once it reaches step {crash_at}" if crash_at else ""))
     started: list = []
@@ -165,8 +169,19 @@ def demo(workdir: Path, crash_at: int, overrides: tuple[str, ...]) -> None:
     def on_start(sup) -> None:
         started.append(sup)
         if crash_at:
-            guide.inject_kill(sup, crash_at, say=click.echo)
-    code = supervise(r, on_start=on_start)
+            guide.inject_kill(sup, crash_at, say=click.echo,
+                              then=guide.WATCHED_THEN if watch_mode else guide.SUPERVISED_THEN)
+    if watch_mode:
+        from orchestrator.ops.report import summary
+        from orchestrator.ops.watching import BadInput
+
+        try:
+            code = guide.watch_by_hand(r, path, on_start, say=click.echo, echo=lambda line: click.echo(line, err=True))
+        except BadInput as e:
+            fail(str(e))
+        click.echo(summary(r))
+    else:
+        code = supervise(r, on_start=on_start)
     out = Path(started[0].recipe.run.output_dir)  # where it really ran (a drifted recipe runs beside it)
     click.echo(guide.next_steps(path, state_dir(out) / "report.html", Path.cwd()))
     sys.exit(int(code))

@@ -1,6 +1,10 @@
 """The demo as a guided first run: the recipe it runs, written to its workdir so every other command
 takes it; the injected crash (SIGKILL the whole trainer tree once the first attempt reaches a step, as
-the kernel's OOM killer would), told at the step it really happened; and the commands to try next."""
+the kernel's OOM killer would), told at the step it really happened; and the commands to try next.
+
+`demo --watch` shows watch mode instead: the trainer started by hand as a user would (`nohup swift sft ...
+> train.log 2>&1 &`, its own session), then `orchestrator watch --take-over` of it; the injected SIGKILL is
+classified and advised by the watcher, and the run taken over by a supervisor, which resumes and completes it."""
 from __future__ import annotations
 
 import json
@@ -9,6 +13,7 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import threading
 import time
 import tomllib
@@ -18,7 +23,9 @@ from typing import Any
 
 from orchestrator.host.launch import local as launcher
 from orchestrator.domain import progress
-from orchestrator.config.recipe import apply_overrides
+from orchestrator.config.recipe import Recipe, apply_overrides
+from orchestrator.config.render.command import render_command
+from orchestrator.types import ExitCode
 
 RECIPE_NAME = "demo-cpu.toml"
 # The demo's own files, relative to the written recipe (the workdir), so the recipe works from anywhere.
@@ -93,9 +100,17 @@ class Injection:
     killed: list[int] = field(default_factory=list)
 
 
-def inject_kill(sup, at_step: int, say=print) -> Injection:
+SUPERVISED_THEN = ("The supervisor now classifies the crash and resumes from the newest verified checkpoint;"
+                   " the steps after that checkpoint are redone and charged to goodput's lost_progress.")
+WATCHED_THEN = ("The watcher now classifies the crash and advises what `run` would do; with --take-over it then"
+                " hands the run to a supervisor, which resumes from the newest verified checkpoint.")
+
+
+def inject_kill(sup, at_step: int, say=print, then: str = SUPERVISED_THEN) -> Injection:
     """SIGKILL the first attempt's trainer tree once its logging.jsonl reaches `at_step`, then tell
-    (`say`) at which step it really died: the trainer logs on, a little, between the check and the kill."""
+    (`say`) at which step it really died: the trainer logs on, a little, between the check and the kill.
+    `sup` is a Supervisor, or a Watch (loop/watch.py: its watched trainer is the attempt's); `then` says
+    what happens next."""
     inj = Injection(at_step)
 
     def watch() -> None:
@@ -117,8 +132,7 @@ def inject_kill(sup, at_step: int, say=print) -> Injection:
                 say(f"{time.strftime('%H:%M:%S', time.localtime(inj.at))} demo: injected SIGKILL into the trainer"
                     f" ({len(inj.killed)} process(es)) at step {inj.step}"
                     + (f" (asked for step {at_step}; it logged on until the kill landed)" if inj.step != at_step else "")
-                    + ". The supervisor now classifies the crash and resumes from the newest verified checkpoint;"
-                      " the steps after that checkpoint are redone and charged to goodput's lost_progress.")
+                    + f". {then}")
                 return
 
     inj.thread = threading.Thread(target=watch, name="demo-crash", daemon=True)
@@ -132,6 +146,51 @@ def _last_step(tail: launcher.FileTail, step: int | None) -> int | None:
         if p is not None:
             step = p.step
     return step
+
+
+# ------------------------------------------------------------------------------------------ started by hand
+
+def start_by_hand(r: Recipe, say=print) -> subprocess.Popen:
+    """Starts the recipe's trainer as a user would, outside the orchestrator: `nohup <command> > train.log 2>&1 &`
+    in the output_dir, in a session of its own, and tells the command. The caller reaps (or kills) it."""
+    out = Path(r.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = render_command(r, None, r.supervisor.port_range[0])
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items())
+    with open(out / "train.log", "ab") as log:
+        proc = subprocess.Popen(["nohup", *launcher.resolve(cmd.argv)], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, **cmd.env}, cwd=out,
+                                start_new_session=True)
+    say(f"demo: started the trainer by hand, as you would (pid {proc.pid}), not by the orchestrator:\n"
+        f"  cd {shlex.quote(str(out))} && {env} nohup {shlex.join(cmd.argv)} > train.log 2>&1 &")
+    return proc
+
+
+def end_by_hand(proc: subprocess.Popen, say=print) -> None:
+    """Reaps the trainer start_by_hand started; one still running (the demo was interrupted) is killed with its
+    process group first: the demo leaves nothing running."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        say(f"demo: the demo was interrupted: killed the trainer it started (kill -9 -{proc.pid})")
+    proc.wait()
+
+
+def watch_by_hand(r: Recipe, path: Path, on_start, say=print, echo=print) -> ExitCode:
+    """The demo's trainer started by hand, then `orchestrator watch PATH --take-over` of it in this process
+    (`on_start` gets the Watch); the trainer is reaped (killed if still running) before it returns."""
+    from orchestrator.ops.watching import watch
+
+    trainer = start_by_hand(r, say=say)
+    say(f"demo: now `orchestrator watch {path} --take-over`: it finds the trainer through /proc, reads its "
+        "train.log, advises what `run` would do, and takes the run over only once the trainer ended badly (with a "
+        "run of your own: `orchestrator import train.sh --output my-run.toml`, then `orchestrator watch my-run.toml`)")
+    try:
+        return watch(r, str(path), (), trainer.pid, "crash", echo=echo, on_start=on_start)
+    finally:
+        end_by_hand(trainer, say=say)
 
 
 # ------------------------------------------------------------------------------------------ what to try next

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from orchestrator.config.recipe import Recipe
 from orchestrator.host import trainer_find
@@ -51,8 +52,9 @@ def logs_of(given: tuple[Path, ...], c: trainer_find.Candidate) -> list[Path]:
 
 
 def watch(r: Recipe, recipe_arg: str, given_logs: tuple[Path, ...], pid: int | None, take_over: str | None,
-          echo: Callable[[str], None]) -> ExitCode:
-    """Watches the run's hand-started trainer; with take_over, supervises the run once it ended badly."""
+          echo: Callable[[str], None], on_start: Callable[[Any], None] | None = None) -> ExitCode:
+    """Watches the run's hand-started trainer; with take_over, supervises the run once it ended badly.
+    `on_start` is given the Watch before it runs (the demo's injected crash)."""
     from orchestrator.loop.watch import HAND_OFF, Watch, hand_off
 
     c = pick(r, pid)
@@ -63,7 +65,10 @@ def watch(r: Recipe, recipe_arg: str, given_logs: tuple[Path, ...], pid: int | N
          "FILE for crash classification")
     trainer = trainer_find.WatchedTrainer.attach(c.pid, c.create_time, logs[0] if logs else
                                                  Path(r.run.output_dir) / "logging.jsonl")
-    result = Watch(r, trainer, logs, recipe_arg=recipe_arg, take_over=take_over, echo=echo).run()
+    w = Watch(r, trainer, logs, recipe_arg=recipe_arg, take_over=take_over, echo=echo)
+    if on_start:
+        on_start(w)
+    result = w.run()
     if result == HAND_OFF:
         echo("taking over: supervising the run from here (orchestrator run)")
         return hand_off(r, echo)
