@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.domain.health_action import HealthAction
+from orchestrator.domain.health.action import HealthAction
 from orchestrator.loop.advice import ACTIONS, At, Exited, UnfitCheckpoint, advise
 from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, ResumeDiverged, RolledBack,
                                        SlowRestart, StopRequested, TrainingOver)

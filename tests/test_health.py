@@ -1,4 +1,4 @@
-"""Run-health detectors (orchestrator/domain/health.py, health_watch.py): spikes, divergence and absolute limits
+"""Run-health detectors (orchestrator/domain/health/loss.py, health_watch.py): spikes, divergence and absolute limits
 over logged steps. Table tests: the rows that must raise, and the false-positive rows (real noisy SFT series,
 warm-up, the LR schedule's end, eval records, save pauses, few steps, a fast early drop) that must not."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
-from orchestrator.domain.health import (
+from orchestrator.domain.health.loss import (
     GRAD_NORM_LIMIT,
     GRAD_NORM_SPIKE,
     HEALTH_KINDS,
@@ -21,7 +21,7 @@ from orchestrator.domain.health import (
     divergence_threshold,
     spike_threshold,
 )
-from orchestrator.domain.health_watch import HealthWatch
+from orchestrator.domain.health.watch import HealthWatch
 from orchestrator.types import Progress
 from health_series import FIXTURES, real_csv
 

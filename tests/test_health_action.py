@@ -1,10 +1,10 @@
-"""What to do about a health finding (orchestrator/domain/health_action.py): warn / stop / rollback per
+"""What to do about a health finding (orchestrator/domain/health/action.py): warn / stop / rollback per
 health.on_divergence, the recurrence rule, and the resume_divergence relaunch-once rule."""
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.domain.health import (
+from orchestrator.domain.health.loss import (
     GRAD_NORM_LIMIT,
     GRAD_NORM_SPIKE,
     LOSS_DIVERGENCE,
@@ -15,7 +15,7 @@ from orchestrator.domain.health import (
     THROUGHPUT_DROP,
     Finding,
 )
-from orchestrator.domain.health_action import (
+from orchestrator.domain.health.action import (
     HealthAction,
     Rollback,
     decide,

@@ -1,4 +1,4 @@
-"""Divergence after a resume (orchestrator/domain/health_resume.py through HealthWatch): every redone step
+"""Divergence after a resume (orchestrator/domain/health/resume.py through HealthWatch): every redone step
 against the earlier attempt's loss, and the first window after the resume point against the one before it,
 also when nothing was redone (the field's crash right after a save, then wrong weights)."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ from health_series import real_csv
 
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
-from orchestrator.domain.health import RESUME_DIVERGENCE, Finding
-from orchestrator.domain.health_resume import edge_jump, redone_mismatch, window_jump
-from orchestrator.domain.health_watch import HealthWatch
+from orchestrator.domain.health.loss import RESUME_DIVERGENCE, Finding
+from orchestrator.domain.health.resume import edge_jump, redone_mismatch, window_jump
+from orchestrator.domain.health.watch import HealthWatch
 from orchestrator.types import Progress
 
 FIXTURES = Path(__file__).parent / "fixtures" / "health"

@@ -13,13 +13,13 @@ from supervised import fake_recipe
 from html_page import Page
 
 from orchestrator.config.recipe import load
-from orchestrator.domain.health import (
+from orchestrator.domain.health.loss import (
     LOSS_DIVERGENCE,
     LOSS_SPIKE,
     PROGRESS_UNREADABLE,
     Finding,
 )
-from orchestrator.domain.health_action import decide
+from orchestrator.domain.health.action import decide
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.ops import report, status_view
 from orchestrator.store.rundir import state_dir

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.domain.health_action import HealthAction
+from orchestrator.domain.health.action import HealthAction
 from orchestrator.loop.health import HealthSeen
 from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, Observation, ResumeDiverged,
                                        RolledBack, SlowRestart, StopRequested, TrainingOver, judge)

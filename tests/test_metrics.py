@@ -289,10 +289,10 @@ def test_serve_on_loopback_returns_the_bound_port(m: Metrics):
     m.close()  # idempotent
 
 
-# --- run health (orchestrator/domain/health.py) ------------------------------------------------------------
+# --- run health (orchestrator/domain/health/loss.py) ------------------------------------------------------------
 
 def test_health_event_counts_are_precreated_at_zero_and_counted_by_kind(m: Metrics):
-    from orchestrator.domain.health import HEALTH_KINDS
+    from orchestrator.domain.health.loss import HEALTH_KINDS
 
     for kind in HEALTH_KINDS:
         assert val(m, "orchestrator_health_events_total", kind=kind) == 0.0

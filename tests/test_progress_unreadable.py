@@ -1,4 +1,4 @@
-"""Progress lines the parser does not understand (orchestrator/domain/progress_unreadable.py): the predicate
+"""Progress lines the parser does not understand (orchestrator/domain/health/progress_unreadable.py): the predicate
 over real formats, the real demo's stdout (nothing unreadable), and the tracker's once-per-attempt finding
 and liveness."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
-from orchestrator.domain.health import PROGRESS_UNREADABLE
-from orchestrator.domain.health_watch import HealthWatch
-from orchestrator.domain.progress_unreadable import (
+from orchestrator.domain.health.loss import PROGRESS_UNREADABLE
+from orchestrator.domain.health.watch import HealthWatch
+from orchestrator.domain.health.progress_unreadable import (
     UnreadableTracker,
     looks_like_progress,
     unreadable,

@@ -1,4 +1,4 @@
-"""Overflow-skipped updates are not NaN (issue 35, item 1): domain/skipped_steps.py over real trainer lines
+"""Overflow-skipped updates are not NaN (issue 35, item 1): domain/health/skipped_steps.py over real trainer lines
 (tests/fixtures/progress/, sources in its sources.jsonl), the recipe's precision, the attempt's andon and the
 metric."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from orchestrator.config import recipe as R
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health import SKIPPED_STEPS
-from orchestrator.domain.health_watch import HealthWatch
+from orchestrator.domain.health.loss import SKIPPED_STEPS
+from orchestrator.domain.health.watch import HealthWatch
 from orchestrator.domain.progress import parse_jsonl_line, parse_line
-from orchestrator.domain.skipped_steps import SkippedSteps, fp16_run
+from orchestrator.domain.health.skipped_steps import SkippedSteps, fp16_run
 from orchestrator.host.metrics import Metrics
 from orchestrator.types import Progress
 

@@ -1,11 +1,11 @@
-"""Throughput health (domain/throughput.py): table tests, false-positive rows first."""
+"""Throughput health (domain/health/throughput.py): table tests, false-positive rows first."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from orchestrator.domain.throughput import (
+from orchestrator.domain.health.throughput import (
     THROUGHPUT_DROP,
     THROUGHPUT_RECOVERED,
     ThroughputParams,

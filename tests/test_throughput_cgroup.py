@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from orchestrator.domain.slowdown_clues import clues
-from orchestrator.domain.throughput import THROUGHPUT_DROP, THROUGHPUT_RECOVERED, ThroughputParams, ThroughputTracker
+from orchestrator.domain.health.slowdown_clues import clues
+from orchestrator.domain.health.throughput import THROUGHPUT_DROP, THROUGHPUT_RECOVERED, ThroughputParams, ThroughputTracker
 from orchestrator.host import slowdown_evidence as se
 from cpu_cgroup import CPU_V1, why_no_cpu_quota
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
-from orchestrator.domain import health
+from orchestrator.domain.health import loss as health
 from orchestrator.domain.goodput import LOST_CAUSES
 from orchestrator.config.schema import SupervisorSection
 from orchestrator.types import Alert, CrashClass, GpuSnapshot, Progress, State
@@ -173,7 +173,7 @@ class Metrics:
         self._hang_timer = gauge("orchestrator_hang_timeout_seconds",
                                  "The running attempt's hang timer: no new step for this long is a hang.")
         self._health = counter("orchestrator_health_events",
-                               "Run-health events, by kind (orchestrator/domain/health.py HEALTH_KINDS).", ("kind",))
+                               "Run-health events, by kind (orchestrator/domain/health/loss.py HEALTH_KINDS).", ("kind",))
         self._throughput = gauge("orchestrator_throughput_ratio",
                                  "Training throughput now / the attempt's baseline (1: baseline speed, 0.5: half).")
         self._loss_level = gauge("orchestrator_loss_level",

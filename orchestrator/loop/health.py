@@ -3,8 +3,8 @@ was logged before, progress lines the parser cannot read, and the attempt's thro
 
     start(a)         a new attempt: HealthWatch.attempt (the run's logged steps on this supervisor's first
                      launch), a new ThroughputTracker against the best baseline of earlier attempts
-    observe(a, ...)  feeds what the pass read to the detectors (domain/health*.py, domain/throughput.py), takes
-                     the machine's evidence at a throughput drop, and decides (pure: health_action.decide,
+    observe(a, ...)  feeds what the pass read to the detectors (domain/health*.py, domain/health/throughput.py), takes
+                     the machine's evidence at a throughput drop, and decides (pure: action.decide,
                      decide_resume, slowdown_action) -> HealthSeen, a frozen value for the Observation
     record(seen)     the journal events (with their numbers and the action), the metrics, the `slow` spans:
                      called by the supervisor where it acts
@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from orchestrator.domain import progress
-from orchestrator.domain.health import DIVERGENCE_KINDS, RESUME_DIVERGENCE, THROUGHPUT_DROP, THROUGHPUT_RECOVERED
-from orchestrator.domain.health_action import HealthAction, decide, decide_resume, rollbacks_of
-from orchestrator.domain.health_watch import HealthWatch
-from orchestrator.domain.skipped_steps import fp16_run
-from orchestrator.domain.slowdown_clues import clues
-from orchestrator.domain.throughput import ThroughputParams, ThroughputTracker, slowdown_action
+from orchestrator.domain.health.loss import DIVERGENCE_KINDS, RESUME_DIVERGENCE, THROUGHPUT_DROP, THROUGHPUT_RECOVERED
+from orchestrator.domain.health.action import HealthAction, decide, decide_resume, rollbacks_of
+from orchestrator.domain.health.watch import HealthWatch
+from orchestrator.domain.health.skipped_steps import fp16_run
+from orchestrator.domain.health.slowdown_clues import clues
+from orchestrator.domain.health.throughput import ThroughputParams, ThroughputTracker, slowdown_action
 from orchestrator.host.base import Host
 from orchestrator.host.metrics import Metrics
 from orchestrator.loop.attempt import AttemptWatch

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from orchestrator.domain import policy
 from orchestrator.host.base import Host
 from orchestrator.host.metrics import Metrics
-from orchestrator.domain.health_action import HealthAction
+from orchestrator.domain.health.action import HealthAction
 from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.health import HealthSeen, RunHealth
 from orchestrator.loop.run import RunContext

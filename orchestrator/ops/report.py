@@ -14,7 +14,7 @@ from pathlib import Path
 
 from orchestrator.config.recipe import Recipe
 from orchestrator.domain import goodput, progress
-from orchestrator.domain.health import HEALTH_KINDS
+from orchestrator.domain.health.loss import HEALTH_KINDS
 from orchestrator.domain.costs import mean_save
 from orchestrator.host.journal_goodput import goodput_of
 from orchestrator.domain.verdict import NO_OOM_RECORD

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from recipes import merge, write_recipe
-from orchestrator.domain.health import HEALTH_KINDS
+from orchestrator.domain.health.loss import HEALTH_KINDS
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import load, recipe_hash

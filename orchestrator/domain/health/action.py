@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from orchestrator.domain.health import DIVERGENCE_KINDS, RESUME_DIVERGENCE, Finding
+from orchestrator.domain.health.loss import DIVERGENCE_KINDS, RESUME_DIVERGENCE, Finding
 
 Act = Literal["warn", "stop", "rollback"]
 

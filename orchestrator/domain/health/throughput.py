@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from orchestrator.domain.health import THROUGHPUT_DROP, THROUGHPUT_RECOVERED
+from orchestrator.domain.health.loss import THROUGHPUT_DROP, THROUGHPUT_RECOVERED
 
 ON_SLOWDOWN = ("warn", "restart")
 RESTART_MIN_GAP_S = 3600.0   # on_slowdown = "restart": at most one restart per hour

@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health import RESUME_DIVERGENCE, Finding, divergence_threshold
+from orchestrator.domain.health.loss import RESUME_DIVERGENCE, Finding, divergence_threshold
 from orchestrator.types import Progress
 
 MIN_WINDOW = 3   # fewer losses on either side of the resume point say nothing about a level

@@ -15,10 +15,10 @@ import math
 from collections.abc import Iterable
 
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health import SKIPPED_STEPS, Finding, LossHealth
-from orchestrator.domain.health_resume import ResumeCheck
-from orchestrator.domain.progress_unreadable import UnreadableTracker
-from orchestrator.domain.skipped_steps import SkippedSteps
+from orchestrator.domain.health.loss import SKIPPED_STEPS, Finding, LossHealth
+from orchestrator.domain.health.resume import ResumeCheck
+from orchestrator.domain.health.progress_unreadable import UnreadableTracker
+from orchestrator.domain.health.skipped_steps import SkippedSteps
 from orchestrator.types import Progress
 
 

@@ -2,8 +2,8 @@
 
 Pure: no clock, no files. The loop feeds a HealthWatch with each new step record (HealthWatch.observe) and each
 log line the progress parser did not turn into one (HealthWatch.line); each returns the new findings, each
-condition reported once. What to do about a finding is health_action.py's; the resume checks are
-health_resume.py's, the "progress but not understood" check progress_unreadable.py's.
+condition reported once. What to do about a finding is action.py's; the resume checks are
+resume.py's, the "progress but not understood" check progress_unreadable.py's.
 
 Levels are robust: the median of a window of logged steps (and its MAD for spikes), so one noisy step, an
 eval, a save pause or a short warm-up moves nothing. Windows count logged steps, not steps.

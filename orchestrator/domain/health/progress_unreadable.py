@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.domain.health import PROGRESS_UNREADABLE, Finding
+from orchestrator.domain.health.loss import PROGRESS_UNREADABLE, Finding
 from orchestrator.types import Progress
 
 # A counter: "step 10", "iteration: 10", "global_step/max_steps': '10/40'", "it 10", "epoch 0.5", "10/40".
