@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.domain.health.loss import PROGRESS_UNREADABLE, Finding
-from orchestrator.types import Progress
+from orchestrator.domain.health.kinds import Finding
+from orchestrator.types import Progress, HealthKind
 
 # A counter: "step 10", "iteration: 10", "global_step/max_steps': '10/40'", "it 10", "epoch 0.5", "10/40".
 _COUNTER = re.compile(r"(?i)\b(?:global_step|step|steps|iter|iteration|it|epoch)\b\W{0,4}\d|\b\d+\s*/\s*\d+\b")
@@ -57,7 +57,7 @@ class UnreadableTracker:
             return None
         self.reported = True
         sample = line.strip()[:SAMPLE_CHARS]
-        return Finding(PROGRESS_UNREADABLE, f"{self.unreadable} log lines in a row look like training progress (a "
+        return Finding(HealthKind.PROGRESS_UNREADABLE, f"{self.unreadable} log lines in a row look like training progress (a "
                                             f"step counter and a loss) but yield no step record; they count as "
                                             f"liveness. Sample: {sample}",
                        details={"sample": sample, "lines": self.unreadable})

@@ -22,9 +22,10 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+from orchestrator.domain.health.kinds import Finding
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health.loss import RESUME_DIVERGENCE, Finding, divergence_threshold
-from orchestrator.types import Progress
+from orchestrator.domain.health.loss import divergence_threshold
+from orchestrator.types import Progress, HealthKind
 
 MIN_WINDOW = 3   # fewer losses on either side of the resume point say nothing about a level
 EDGE = 3         # logged losses on each side that make the level at the resume point (a median of 3 drops one
@@ -106,7 +107,7 @@ class ResumeCheck:
             self.compared += 1
             if redone_mismatch(p.loss, earlier, self.tolerance):
                 self.done = True
-                return Finding(RESUME_DIVERGENCE,
+                return Finding(HealthKind.RESUME_DIVERGENCE,
                                f"resumed from step {self.resume_step}: the redone step {p.step} logged loss "
                                f"{p.loss:.6g}, the earlier attempt {earlier:.6g} (tolerance "
                                f"{self.tolerance:.0%}, checkpoint.resume_loss_tolerance)",
@@ -130,7 +131,7 @@ class ResumeCheck:
             if edge is not None:
                 self.window_checked = True
                 level, after_level, threshold = edge
-                return Finding(RESUME_DIVERGENCE,
+                return Finding(HealthKind.RESUME_DIVERGENCE,
                                f"resumed from step {self.resume_step}: the median loss of its first {EDGE} logged "
                                f"steps is {after_level:.4g}, the level at the resume point {level:.4g} (threshold "
                                f"{threshold:.4g}: health.resume_level_tolerance "
@@ -144,7 +145,7 @@ class ResumeCheck:
         if jump is None:
             return None
         level_before, level_after, threshold = jump
-        return Finding(RESUME_DIVERGENCE,
+        return Finding(HealthKind.RESUME_DIVERGENCE,
                        f"resumed from step {self.resume_step}: the median loss of its first {n} logged steps is "
                        f"{level_after:.4g}, of the {n} before the resume point {level_before:.4g} (threshold "
                        f"{threshold:.4g}, health.resume_level_tolerance {self.cfg.resume_level_tolerance:g})",

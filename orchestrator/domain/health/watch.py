@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from orchestrator.domain.health.kinds import Finding
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health.loss import SKIPPED_STEPS, Finding, LossHealth
+from orchestrator.domain.health.loss import LossHealth
 from orchestrator.domain.health.resume import ResumeCheck
 from orchestrator.domain.health.progress_unreadable import UnreadableTracker
 from orchestrator.domain.health.skipped_steps import SkippedSteps
-from orchestrator.types import Progress
+from orchestrator.types import Progress, HealthKind
 
 
 class HealthWatch:
@@ -79,7 +80,7 @@ class HealthWatch:
             return []
         why = (f"the trainer reports {check.skipped} skipped" if p.skipped else
                f"grad norm {p.grad_norm} with a finite loss {p.loss} in an fp16 run")
-        return [Finding(SKIPPED_STEPS, f"step {p.step}: an overflow-skipped update ({why}): the loss scaler skips "
+        return [Finding(HealthKind.SKIPPED_STEPS, f"step {p.step}: an overflow-skipped update ({why}): the loss scaler skips "
                                        "the update and lowers its scale; NaN only after more than "
                                        f"health.max_skipped_steps ({self.cfg.max_skipped_steps}) in a row",
                         p.step, p.step, value=p.grad_norm if p.grad_norm is not None else None,
