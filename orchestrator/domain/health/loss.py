@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.config.schema import HealthSection
+from orchestrator.domain.health.detector import Detector, Snapshot, Start
 from orchestrator.domain.health.kinds import DIVERGENCE_KINDS, Finding
 from orchestrator.types import HealthKind, Progress
 
@@ -119,6 +120,10 @@ class LossHealth:
         for kind in DIVERGENCE_KINDS if c.on_divergence != "warn" else ():
             self.latches[kind] = _Latch(max(c.spike_window, c.divergence_window))
 
+    def __call__(self, snap: Snapshot) -> list[Finding]:
+        """The findings of a snapshot's step record (the "step" detector's check)."""
+        return [] if snap.record is None else self.observe(snap.record)
+
     def observe(self, p: Progress) -> list[Finding]:
         """The findings one new step record brings; a step at or before the last one observed is ignored
         (stdout and logging.jsonl report each step once each)."""
@@ -191,3 +196,13 @@ class LossHealth:
                         loss.best, threshold if loss.level > threshold else half, loss.level,
                         {"grad_norm_level": round(grad.level, 6), "grad_norm_at_best": round(ref, 6)}
                         if grad_up and grad.level is not None and ref is not None else {})]
+
+
+def _start(start: Start) -> LossHealth:
+    """A loss check for one attempt: it starts over from the records up to the resume point (replay)."""
+    check = LossHealth(start.cfg)
+    check.replay(start.kept)
+    return check
+
+
+DETECTOR = Detector("loss", "step", _start)

@@ -22,10 +22,11 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+from orchestrator.domain.health.detector import Check, Detector, Snapshot, Start
 from orchestrator.domain.health.kinds import Finding
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain.health.loss import divergence_threshold
-from orchestrator.types import Progress, HealthKind
+from orchestrator.types import HealthKind, Progress
 
 MIN_WINDOW = 3   # fewer losses on either side of the resume point say nothing about a level
 EDGE = 3         # logged losses on each side that make the level at the resume point (a median of 3 drops one
@@ -151,3 +152,18 @@ class ResumeCheck:
                        f"{threshold:.4g}, health.resume_level_tolerance {self.cfg.resume_level_tolerance:g})",
                        self.resume_step + 1, p.step, n, level_before, threshold, level_after,
                        {"resume_step": self.resume_step, "check": "first_window"})
+
+
+def _start(start: Start) -> Check:
+    """The resume check of a resumed attempt; an attempt from scratch has nothing to compare."""
+    if start.resume_step is None:
+        return lambda snap: []
+    check = ResumeCheck(start.resume_step, start.earlier, start.cfg, start.resume_loss_tolerance, start.weights_only)
+
+    def observe(snap: Snapshot) -> list[Finding]:
+        f = None if snap.record is None else check.observe(snap.record)
+        return [] if f is None else [f]
+    return observe
+
+
+DETECTOR = Detector("resume", "step", _start)
