@@ -2,7 +2,7 @@
 
     python bench/simulate_ett.py [--seeds 200] [--json]
 
-A seeded discrete-event simulation (orchestrator/domain/simulate.py: the model, its parameters and what each
+A seeded discrete-event simulation (orchestrator/domain/simulate/model.py: the model, its parameters and what each
 loop does) of a 20,000-step run (100 h of training at 18 s/step, a checkpoint every 100 steps, 8 min
 from launch to the first step), run to completion by each loop over the same seeds. ETT ratio =
 productive time (the 100 h of kept steps) / wall time. The orchestrator uses the real policy
@@ -48,7 +48,7 @@ wait for a person (0.34 per 100-h run). In the harsh mix, hangs, repeated cold-s
 GPUs and repeated port collisions cost the plain loop half its time (ETT 0.49 vs 0.72).
 The table printed by the script is the source of truth; these lines are copied from its last run.
 
-Issue 13, saves priced (`orchestrator simulate`, orchestrator/domain/simulate_report.py; inputs stated in the
+Issue 13, saves priced (`orchestrator simulate`, orchestrator/domain/simulate/report.py; inputs stated in the
 output): the shipped 397B recipe's 145.6 GiB of mcore shards per save (no HF adapter per save: merge =
 "final" exports from the mcore checkpoint; + one 739.5 GiB merged export at the end) for the orchestrator
 with async_save (2 s blocking: staging the shards at 10 GB/s per GPU; 146 s of background write),
@@ -69,9 +69,9 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.domain import simulate as S  # noqa: E402
-from orchestrator.domain import simulate_report as R  # noqa: E402
-from orchestrator.domain.simulate_stats import Summary, compare  # noqa: E402
+from orchestrator.domain.simulate import model as S  # noqa: E402
+from orchestrator.domain.simulate import report as R  # noqa: E402
+from orchestrator.domain.simulate.stats import Summary, compare  # noqa: E402
 
 QUICK = {"seeds": 5}
 LABEL = {"checkpoint": "checkpoint writes", "startup": "startup", "lost_progress": "lost progress", "hang": "hang",

@@ -314,6 +314,26 @@ class Alert(StrEnum):
     PROGRESS_UNREADABLE = "progress_unreadable"    # supervisor: progress lines the parser does not understand
 
 
+
+class HealthKind(StrEnum):
+    """Every run-health finding kind: also its journal event kind and its orchestrator_health_events_total{kind}
+    label. What each raises (action, alert, extra counter, runbook, report colour) is declared once, beside it,
+    in orchestrator/domain/health/kinds.py KINDS."""
+
+    LOSS_SPIKE = "loss_spike"                        # warn: one logged loss far above its recent median
+    GRAD_NORM_SPIKE = "grad_norm_spike"              # warn: the same for the grad norm
+    LOSS_DIVERGENCE = "loss_divergence"              # health.on_divergence: the loss level rose and stayed up
+    LOSS_LIMIT = "loss_limit"                        # health.on_divergence: over health.loss_max
+    GRAD_NORM_LIMIT = "grad_norm_limit"              # health.on_divergence: over health.grad_norm_max
+    RESUME_DIVERGENCE = "resume_divergence"          # the resumed losses do not continue the run's (loss check)
+    RESUMED_AT_WRONG_STEP = "resumed_at_wrong_step"  # the resumed trainer's first step is not after its checkpoint
+    PROGRESS_UNREADABLE = "progress_unreadable"      # warn: progress lines the parser does not understand
+    THROUGHPUT_DROP = "throughput_drop"              # health.on_slowdown: steps slower than the attempt's baseline
+    THROUGHPUT_RECOVERED = "throughput_recovered"    # back to the baseline
+    CHECKPOINT_UNCHANGED = "checkpoint_unchanged"    # set aside: weights byte-identical to an earlier checkpoint's
+    CHECKPOINT_NONFINITE = "checkpoint_nonfinite"    # set aside: a NaN or Inf in a saved tensor
+    SKIPPED_STEPS = "skipped_steps"                  # warn: fp16 updates the loss scaler skipped (NaN if they persist)
+
 # ---- system evidence: what the machine said about a failed attempt (orchestrator/host/evidence.py reads it) ----
 @dataclass(frozen=True)
 class OomKill:

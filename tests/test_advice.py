@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.domain.health_action import HealthAction
+from orchestrator.domain.health.action import HealthAction
 from orchestrator.loop.advice import ACTIONS, At, Exited, UnfitCheckpoint, advise
-from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, ResumeDiverged, RolledBack,
+from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, ResumedAtWrongStep, RolledBack,
                                        SlowRestart, StopRequested, TrainingOver)
 from orchestrator.types import Action, Crash, CrashClass, Decision
 
@@ -46,7 +46,7 @@ CASES = {
     "rollback": (RolledBack(HealthAction("rollback", "loss spike", relaunch_from=1100, quarantine_from=1150)), AT,
                  "rollback", "from step 1150 on, and relaunch from checkpoint-1100: loss spike", KILL_RUN),
     "slow restart": (SlowRestart("0.5x the baseline"), AT, "restart", "would restart: 0.5x the baseline", KILL_RUN),
-    "resume divergence": (ResumeDiverged("step 7 after 10"), AT, "stop", "resume divergence: step 7 after 10",
+    "resumed at the wrong step": (ResumedAtWrongStep("step 7 after 10"), AT, "stop", "resumed at the wrong step: step 7 after 10",
                           "kill 4242"),
     "a stale checkpoint": (UnfitCheckpoint(1300, "checkpoint_unchanged", "its weights are checkpoint-1200's"), AT,
                            "set_aside", "would set checkpoint-1300 aside: its weights are checkpoint-1200's", RUN),

@@ -248,3 +248,4 @@ def test_crash_loop_fires_in_a_real_prometheus(tmp_path: Path):
             assert alerts[0]["annotations"]["runbook_url"].endswith("/crash-loop.md")
     finally:
         m.close()
+

@@ -18,6 +18,7 @@ from orchestrator.host.metrics import Metrics
 from orchestrator.store import checkpoint_health as ch
 from orchestrator.store import sync
 from orchestrator.store.tracker import CheckpointTracker
+from orchestrator.types import HealthKind
 
 A = (("adapter_model.safetensors", "aa"),)
 S = (("__0_0.distcp", "s0"), ("__1_0.distcp", "s1"))
@@ -187,7 +188,7 @@ def test_a_stale_copy_of_a_pruned_checkpoint_is_still_caught(tmp_path):
     files = [{"path": "adapter_model.safetensors", "size": 1, "sha256": "x"}]
     assert health.check(str(tmp_path / "checkpoint-2"), 2, {"files": files}) is None
     f = health.check(str(tmp_path / "checkpoint-4"), 4, {"files": files})
-    assert f is not None and f.kind == ch.CHECKPOINT_UNCHANGED and f.data["max_lr"] is None
+    assert f is not None and f.kind == HealthKind.CHECKPOINT_UNCHANGED and f.details["max_lr"] is None
     assert health.take() == [f] and health.take() == []
 
 
@@ -201,4 +202,4 @@ def test_after_a_supervisor_restart_the_previous_manifest_on_disk_is_the_referen
     manifest.write_manifest(tmp_path / "checkpoint-2", 2, "h")
     manifest.write_manifest(tmp_path / "checkpoint-4", 4, "h")
     f = ch.CheckpointHealth(tmp_path).check(str(tmp_path / "checkpoint-4"), 4)   # a fresh process: nothing remembered
-    assert f is not None and f.kind == ch.CHECKPOINT_UNCHANGED and f.data["previous_step"] == 2
+    assert f is not None and f.kind == HealthKind.CHECKPOINT_UNCHANGED and f.details["previous_step"] == 2

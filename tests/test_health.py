@@ -1,4 +1,4 @@
-"""Run-health detectors (orchestrator/domain/health.py, health_watch.py): spikes, divergence and absolute limits
+"""Run-health detectors (orchestrator/domain/health/loss.py, health_watch.py): spikes, divergence and absolute limits
 over logged steps. Table tests: the rows that must raise, and the false-positive rows (real noisy SFT series,
 warm-up, the LR schedule's end, eval records, save pauses, few steps, a fast early drop) that must not."""
 from __future__ import annotations
@@ -8,21 +8,12 @@ import random
 
 import pytest
 
+from orchestrator.domain.health.kinds import Finding
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
-from orchestrator.domain.health import (
-    GRAD_NORM_LIMIT,
-    GRAD_NORM_SPIKE,
-    HEALTH_KINDS,
-    LOSS_DIVERGENCE,
-    LOSS_LIMIT,
-    LOSS_SPIKE,
-    Finding,
-    divergence_threshold,
-    spike_threshold,
-)
-from orchestrator.domain.health_watch import HealthWatch
-from orchestrator.types import Progress
+from orchestrator.domain.health.loss import divergence_threshold, spike_threshold
+from orchestrator.domain.health.watch import HealthWatch
+from orchestrator.types import Progress, HealthKind
 from health_series import FIXTURES, real_csv
 
 DEFAULTS = HealthSection()
@@ -129,18 +120,18 @@ def _creeping_with_grad_norms() -> list[Progress]:
 
 SPIKE_STEP = 61
 RAISE = {
-    "a loss spike": (lambda: _spike_lasting(1), DEFAULTS, [LOSS_SPIKE], SPIKE_STEP),
-    "a spike lasting 3 steps is one event": (lambda: _spike_lasting(3), DEFAULTS, [LOSS_SPIKE], SPIKE_STEP),
+    "a loss spike": (lambda: _spike_lasting(1), DEFAULTS, [HealthKind.LOSS_SPIKE], SPIKE_STEP),
+    "a spike lasting 3 steps is one event": (lambda: _spike_lasting(3), DEFAULTS, [HealthKind.LOSS_SPIKE], SPIKE_STEP),
     "a grad-norm spike": (lambda: series(noisy(60, 2.0, 0.03), noisy(30, 1.0, 0.1) + [60.0] + noisy(29, 1.0, 0.1)),
-                          DEFAULTS, [GRAD_NORM_SPIKE], 31),
+                          DEFAULTS, [HealthKind.GRAD_NORM_SPIKE], 31),
     "loss over health.loss_max": (lambda: series([2.0] * 30 + [11.0] + [2.0] * 30), HealthSection(loss_max=10),
-                                  [LOSS_LIMIT, LOSS_SPIKE], 31),
+                                  [HealthKind.LOSS_LIMIT, HealthKind.LOSS_SPIKE], 31),
     "grad norm over health.grad_norm_max": (lambda: series([2.0] * 40, [1.0] * 10 + [150.0] + [1.0] * 29),
-                                            HealthSection(grad_norm_max=100), [GRAD_NORM_LIMIT], 11),
-    "the field's divergence: 1.42 -> 2.5 and grad norms up": (_field_divergence, DEFAULTS, [LOSS_DIVERGENCE], None),
+                                            HealthSection(grad_norm_max=100), [HealthKind.GRAD_NORM_LIMIT], 11),
+    "the field's divergence: 1.42 -> 2.5 and grad norms up": (_field_divergence, DEFAULTS, [HealthKind.LOSS_DIVERGENCE], None),
     "real CPU demo at lr 3.0: its grad norm jumps 14 x at step 41": (
-        lambda: real_jsonl("demo-lr3-100steps.logging.jsonl"), DEFAULTS, [GRAD_NORM_SPIKE], 41),
-    "a creeping loss with grad norms up": (_creeping_with_grad_norms, DEFAULTS, [LOSS_DIVERGENCE], None),
+        lambda: real_jsonl("demo-lr3-100steps.logging.jsonl"), DEFAULTS, [HealthKind.GRAD_NORM_SPIKE], 41),
+    "a creeping loss with grad norms up": (_creeping_with_grad_norms, DEFAULTS, [HealthKind.LOSS_DIVERGENCE], None),
 }
 
 
@@ -149,7 +140,7 @@ def test_unhealthy_runs_raise_each_condition_once(make, cfg, expected, at):
     found = run(make(), cfg)
     assert sorted(kinds(found)) == sorted(expected)
     for f in found:
-        assert f.kind in HEALTH_KINDS and f.message and f.last_step is not None
+        assert f.kind in tuple(HealthKind) and f.message and f.last_step is not None
         assert f.first_step is not None and f.first_step <= f.last_step
         if at is not None:
             assert f.last_step == at
@@ -171,19 +162,19 @@ def test_divergence_finding_carries_its_numbers():
 
 def test_an_ongoing_divergence_is_one_event_and_a_new_one_after_recovery_another():
     losses = noisy(60, 1.0, 0.02) + noisy(80, 2.0, 0.02, seed=8) + noisy(80, 1.0, 0.02, seed=9) + noisy(80, 2.0, 0.02, seed=10)
-    assert kinds(run(series(losses))) == [LOSS_DIVERGENCE, LOSS_DIVERGENCE]
+    assert kinds(run(series(losses))) == [HealthKind.LOSS_DIVERGENCE, HealthKind.LOSS_DIVERGENCE]
 
 
 def test_a_short_rise_is_no_divergence():
     # 15 logged steps at double the level: the median window never holds it long enough
     losses = noisy(100, 1.0, 0.02) + noisy(15, 2.0, 0.02, seed=11) + noisy(100, 1.0, 0.02, seed=12)
-    assert LOSS_DIVERGENCE not in kinds(run(series(losses)))
+    assert HealthKind.LOSS_DIVERGENCE not in kinds(run(series(losses)))
 
 
 def test_limits_fire_on_the_first_value_over_and_once_while_it_stays():
     cfg = HealthSection(loss_max=10)
     found = run(series([2.0] * 20 + [12.0] * 30 + [2.0] * 40 + [12.0]), cfg)
-    assert [f.last_step for f in found if f.kind == LOSS_LIMIT] == [21, 91]
+    assert [f.last_step for f in found if f.kind == HealthKind.LOSS_LIMIT] == [21, 91]
 
 
 @pytest.mark.parametrize("history,value,spike", [
@@ -216,7 +207,7 @@ def test_a_divergence_ongoing_across_a_resume_is_not_reported_again():
     first = [f.kind for p in records[:140] for f in w.observe(p)]
     w.attempt(130)
     second = [f.kind for p in records[130:] for f in w.observe(p)]
-    assert (first, second) == ([LOSS_DIVERGENCE], [])
+    assert (first, second) == ([HealthKind.LOSS_DIVERGENCE], [])
 
 
 def test_a_rollback_before_the_onset_reports_a_recurrence():
@@ -225,7 +216,7 @@ def test_a_rollback_before_the_onset_reports_a_recurrence():
     w.attempt(None)
     (f,) = [f for p in records[:140] for f in w.observe(p)]
     w.attempt(50, suspect_from=f.first_step)  # the same data again: it diverges again
-    assert [g.kind for p in records[50:] for g in w.observe(p)] == [LOSS_DIVERGENCE]
+    assert [g.kind for p in records[50:] for g in w.observe(p)] == [HealthKind.LOSS_DIVERGENCE]
 
 
 def test_a_divergence_the_loop_acts_on_is_found_again_when_it_persists_across_a_resume():
@@ -237,4 +228,4 @@ def test_a_divergence_the_loop_acts_on_is_found_again_when_it_persists_across_a_
     first = [f.kind for p in records[:140] for f in w.observe(p)]
     w.attempt(130)
     second = [f.kind for p in records[130:] for f in w.observe(p)]
-    assert (first, second) == ([LOSS_DIVERGENCE], [LOSS_DIVERGENCE])
+    assert (first, second) == ([HealthKind.LOSS_DIVERGENCE], [HealthKind.LOSS_DIVERGENCE])

@@ -1,45 +1,28 @@
-"""What to do about a health finding (orchestrator/domain/health_action.py): warn / stop / rollback per
+"""What to do about a health finding (orchestrator/domain/health/action.py): warn / stop / rollback per
 health.on_divergence, the recurrence rule, and the resume_divergence relaunch-once rule."""
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.domain.health import (
-    GRAD_NORM_LIMIT,
-    GRAD_NORM_SPIKE,
-    LOSS_DIVERGENCE,
-    LOSS_LIMIT,
-    LOSS_SPIKE,
-    PROGRESS_UNREADABLE,
-    RESUME_DIVERGENCE,
-    THROUGHPUT_DROP,
-    Finding,
-)
-from orchestrator.domain.health_action import (
-    HealthAction,
-    Rollback,
-    decide,
-    decide_resume,
-    newest_before,
-    recurrence,
-    rollbacks_of,
-)
+from orchestrator.domain.health.kinds import Finding
+from orchestrator.types import HealthKind
+from orchestrator.domain.health.action import HealthAction, Rollback, decide, decide_resume, newest_before, recurrence, rollbacks_of
 
 VERIFIED = [10, 20, 30, 40, 50, 60]
 
 
-def finding(kind: str = LOSS_DIVERGENCE, first: int | None = 35, last: int | None = 55) -> Finding:
+def finding(kind: str = HealthKind.LOSS_DIVERGENCE, first: int | None = 35, last: int | None = 55) -> Finding:
     return Finding(kind, "the loss level is 2.5, over 2.1", first, last, 20, 1.42, 2.1, 2.5)
 
 
-@pytest.mark.parametrize("kind", [LOSS_SPIKE, GRAD_NORM_SPIKE, PROGRESS_UNREADABLE, THROUGHPUT_DROP])
+@pytest.mark.parametrize("kind", [HealthKind.LOSS_SPIKE, HealthKind.GRAD_NORM_SPIKE, HealthKind.PROGRESS_UNREADABLE, HealthKind.THROUGHPUT_DROP])
 @pytest.mark.parametrize("on_divergence", ["stop", "rollback", "warn"])
 def test_warn_only_kinds_warn_whatever_the_recipe_says(kind, on_divergence):
     a = decide(finding(kind), on_divergence, VERIFIED)
     assert (a.action, a.relaunch_from, a.quarantine_from) == ("warn", None, None)
 
 
-@pytest.mark.parametrize("kind", [LOSS_DIVERGENCE, LOSS_LIMIT, GRAD_NORM_LIMIT])
+@pytest.mark.parametrize("kind", [HealthKind.LOSS_DIVERGENCE, HealthKind.LOSS_LIMIT, HealthKind.GRAD_NORM_LIMIT])
 @pytest.mark.parametrize("on_divergence,action,relaunch_from,quarantine_from", [
     ("stop", "stop", None, None),
     ("warn", "warn", None, None),
@@ -89,9 +72,9 @@ def test_the_same_symptom_again_within_the_rolled_back_range_stops(earlier, firs
 def test_rollbacks_are_read_back_from_the_journal_events():
     rollback = decide(finding(first=35, last=55), "rollback", VERIFIED)
     events = [
-        {"kind": LOSS_DIVERGENCE, "message": "m", "data": finding(first=35, last=55).record() | rollback.record()},
-        {"kind": LOSS_SPIKE, "message": "m", "data": {"first_step": 3, "last_step": 3, "action": "warn"}},
-        {"kind": LOSS_LIMIT, "message": "m", "data": {"first_step": 70, "last_step": 70, "action": "stop"}},
+        {"kind": HealthKind.LOSS_DIVERGENCE, "message": "m", "data": finding(first=35, last=55).record() | rollback.record()},
+        {"kind": HealthKind.LOSS_SPIKE, "message": "m", "data": {"first_step": 3, "last_step": 3, "action": "warn"}},
+        {"kind": HealthKind.LOSS_LIMIT, "message": "m", "data": {"first_step": 70, "last_step": 70, "action": "stop"}},
         {"kind": "launch", "message": "m", "data": {}},
     ]
     assert rollbacks_of(events) == [Rollback(35, 55, 30)]
@@ -105,7 +88,7 @@ def test_rollbacks_are_read_back_from_the_journal_events():
     (10, False, "stop", None),     # nothing verified before the suspect checkpoint
 ])
 def test_resume_divergence_relaunches_once_from_the_checkpoint_before(resumed_from, retrying, action, relaunch_from):
-    a = decide_resume(finding(RESUME_DIVERGENCE, resumed_from + 1, resumed_from + 10), resumed_from, VERIFIED,
+    a = decide_resume(finding(HealthKind.RESUME_DIVERGENCE, resumed_from + 1, resumed_from + 10), resumed_from, VERIFIED,
                       retrying)
     assert (a.action, a.relaunch_from) == (action, relaunch_from)
     assert a.quarantine_from == (resumed_from if action == "rollback" else None)

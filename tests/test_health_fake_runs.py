@@ -8,7 +8,7 @@ from supervised import fake_recipe, journal, supervise
 
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
-from orchestrator.domain.health_watch import HealthWatch
+from orchestrator.domain.health.watch import HealthWatch
 
 
 @pytest.mark.parametrize("faults", ["fla_backward_oom@15,cuda_fatal@27,nccl_error@33", "host_oom_killed@12"])

@@ -1,4 +1,4 @@
-"""Divergence after a resume (orchestrator/domain/health_resume.py through HealthWatch): every redone step
+"""Divergence after a resume (orchestrator/domain/health/resume.py through HealthWatch): every redone step
 against the earlier attempt's loss, and the first window after the resume point against the one before it,
 also when nothing was redone (the field's crash right after a save, then wrong weights)."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from health_series import real_csv
 
+from orchestrator.domain.health.kinds import Finding
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
-from orchestrator.domain.health import RESUME_DIVERGENCE, Finding
-from orchestrator.domain.health_resume import edge_jump, redone_mismatch, window_jump
-from orchestrator.domain.health_watch import HealthWatch
-from orchestrator.types import Progress
+from orchestrator.domain.health.resume import edge_jump, redone_mismatch, window_jump
+from orchestrator.domain.health.watch import HealthWatch
+from orchestrator.types import Progress, HealthKind
 
 FIXTURES = Path(__file__).parent / "fixtures" / "health"
 CFG = HealthSection()
@@ -66,7 +66,7 @@ def test_a_real_resume_from_wrong_weights_is_caught_at_the_first_redone_step():
     PERTURB_TARGET=model): the loss went from 7.3 to 16."""
     first, second = real_attempts("demo-wrong-weights-resume.logging.jsonl")
     f = resume(first, 10, second)[0]
-    assert (f.kind, f.details["check"], f.last_step) == (RESUME_DIVERGENCE, "redone_step", 11)
+    assert (f.kind, f.details["check"], f.last_step) == (HealthKind.RESUME_DIVERGENCE, "redone_step", 11)
     assert f.level == pytest.approx(7.308, abs=1e-3) and f.value == pytest.approx(15.95, abs=0.01)
 
 
@@ -75,7 +75,7 @@ def test_the_same_real_resume_with_nothing_redone_is_caught_at_the_resume_point(
     third step after the resume (issue 35: was the tenth, by the first window)."""
     first, second = real_attempts("demo-wrong-weights-resume.logging.jsonl")
     f = resume([p for p in first if p.step <= 10], 10, second)[0]
-    assert (f.kind, f.details["check"], f.first_step, f.last_step) == (RESUME_DIVERGENCE, "resume_point", 11, 13)
+    assert (f.kind, f.details["check"], f.first_step, f.last_step) == (HealthKind.RESUME_DIVERGENCE, "resume_point", 11, 13)
     assert f.level == pytest.approx(7.3, abs=0.1) and f.value > 15  # the level at step 10, the median of 11-13
 
 
@@ -97,7 +97,7 @@ def test_nothing_redone_and_wrong_weights_the_field_case():
     second = steps(noisy(40, 2.5, seed=2), start=101)
     found = resume(first, 100, second)
     f = found[0]  # the level shift is a loss_divergence too, a window later: the resume check comes first
-    assert [g.kind for g in found] == [RESUME_DIVERGENCE, "loss_divergence"]
+    assert [g.kind for g in found] == [HealthKind.RESUME_DIVERGENCE, "loss_divergence"]
     assert f.details["check"] == "resume_point" and f.details["resume_step"] == 100
     assert (f.first_step, f.last_step, f.window) == (101, 103, 3)
     assert f.level == pytest.approx(1.42, rel=0.05) and f.value == pytest.approx(2.5, rel=0.05)
@@ -111,7 +111,7 @@ def test_a_later_redone_step_that_differs_is_caught_not_only_the_first():
     second = steps(redo, start=41) + steps(noisy(20, 2.0, seed=3), start=51)
     (f,) = resume(first, 40, second)
     assert (f.kind, f.details["check"], f.last_step, f.details["redone_compared"]) == (
-        RESUME_DIVERGENCE, "redone_step", 43, 3)
+        HealthKind.RESUME_DIVERGENCE, "redone_step", 43, 3)
     assert f.level == pytest.approx(first[42].loss) and f.value == pytest.approx(1.2 * first[42].loss)
 
 
@@ -125,7 +125,7 @@ def test_a_resumed_attempt_reports_once():
     first = steps(noisy(50, 2.0))
     second = steps([p.loss * 2 for p in first[40:]], start=41) + steps(noisy(30, 4.0, seed=3), start=51)
     found = [f.kind for f in resume(first, 40, second)]
-    assert found[0] == RESUME_DIVERGENCE and found.count(RESUME_DIVERGENCE) == 1
+    assert found[0] == HealthKind.RESUME_DIVERGENCE and found.count(HealthKind.RESUME_DIVERGENCE) == 1
 
 
 @pytest.mark.parametrize("before,after,jump", [
@@ -191,7 +191,7 @@ def test_after_a_rollback_the_diverged_steps_are_no_reference():
     for p in steps(diverged):
         w.observe(p)
     w.attempt(30)  # without suspect_from the healthy redo would be called a resume divergence
-    assert [f.kind for p in steps(good[30:], start=31) for f in w.observe(p)] == [RESUME_DIVERGENCE]
+    assert [f.kind for p in steps(good[30:], start=31) for f in w.observe(p)] == [HealthKind.RESUME_DIVERGENCE]
 
 
 # Issue 35, item 2: the level at the resume point, so a jump early in a steep fine-tune is caught as late in it.
@@ -211,7 +211,7 @@ def test_a_jump_early_in_a_steep_fine_tune_is_caught_at_the_resume_point():
     after = [1.57, 1.49, 1.42, 1.33, 1.25, 1.18, 1.12, 1.07, 1.03, 1.0]
     before = [p.loss for p in first[-CFG.resume_window:]]
     assert window_jump(before, after, CFG.resume_level_tolerance, CFG.divergence_min_rise) is None  # the old check
-    (f,) = [g for g in resume(first, 30, steps(after, start=31)) if g.kind == RESUME_DIVERGENCE]
+    (f,) = [g for g in resume(first, 30, steps(after, start=31)) if g.kind == HealthKind.RESUME_DIVERGENCE]
     assert (f.details["check"], f.first_step, f.last_step) == ("resume_point", 31, 33)
     assert f.level == pytest.approx(0.91, abs=0.02) and f.value == pytest.approx(1.49)
 
@@ -220,7 +220,7 @@ def test_the_same_jump_late_in_the_run_is_caught_too():
     first = steps(steep(300, end=0.88, tau=7))
     after = [1.57, 1.49, 1.42, 1.33, 1.25, 1.18, 1.12, 1.07, 1.03, 1.0]
     assert [f.details["check"] for f in resume(first, 300, steps(after, start=301))
-            if f.kind == RESUME_DIVERGENCE] == ["resume_point"]
+            if f.kind == HealthKind.RESUME_DIVERGENCE] == ["resume_point"]
 
 
 @pytest.mark.parametrize("name, cuts", [
@@ -241,7 +241,7 @@ def test_a_faithful_resume_of_real_runs_raises_nothing_anywhere(name, cuts):
     for cut in points:
         first = [p for p in recs if p.step <= cut]
         second = [p for p in recs if p.step > cut]
-        assert [f for f in resume(first, cut, second[:30]) if f.kind == RESUME_DIVERGENCE] == [], cut
+        assert [f for f in resume(first, cut, second[:30]) if f.kind == HealthKind.RESUME_DIVERGENCE] == [], cut
 
 
 @pytest.mark.parametrize("rel, seed", [(0.0, 1), (0.05, 1), (0.15, 2), (0.3, 3), (0.3, 4)])
@@ -249,7 +249,7 @@ def test_a_faithful_resume_of_a_steep_noisy_curve_raises_nothing(rel, seed):
     curve = steep(80, rel=rel, seed=seed)
     for cut in range(10, 60, 2):
         found = resume(steps(curve[:cut]), cut, steps(curve[cut:], start=cut + 1))
-        assert [f for f in found if f.kind == RESUME_DIVERGENCE] == [], cut
+        assert [f for f in found if f.kind == HealthKind.RESUME_DIVERGENCE] == [], cut
 
 
 @pytest.mark.parametrize("before_steps, before, after, jump", [

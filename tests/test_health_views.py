@@ -13,23 +13,18 @@ from rich.console import Console
 from supervised import fake_recipe
 from html_page import Page
 
+from orchestrator.domain.health.kinds import Finding
 from orchestrator.config.recipe import load
-from orchestrator.domain.health import (
-    LOSS_DIVERGENCE,
-    LOSS_SPIKE,
-    PROGRESS_UNREADABLE,
-    Finding,
-)
-from orchestrator.domain.health_action import decide
+from orchestrator.domain.health.action import decide
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.ops import report, status_view
 from orchestrator.store.rundir import state_dir
-from orchestrator.types import Attempt
+from orchestrator.types import Attempt, HealthKind
 
 EVIL = '<script>alert("x")</script>'
-SPIKE = Finding(LOSS_SPIKE, "loss 8.1 at step 12 is a spike", 12, 12, 20, 2.0, 6.0, 8.1)
-DIVERGENCE = Finding(LOSS_DIVERGENCE, f"the loss level is 2.5, over 2.1 {EVIL}", 21, 40, 20, 1.42, 2.13, 2.5)
-UNREADABLE = Finding(PROGRESS_UNREADABLE, "3 log lines ... Sample: iteration 5/50 | lm loss: 2.0",
+SPIKE = Finding(HealthKind.LOSS_SPIKE, "loss 8.1 at step 12 is a spike", 12, 12, 20, 2.0, 6.0, 8.1)
+DIVERGENCE = Finding(HealthKind.LOSS_DIVERGENCE, f"the loss level is 2.5, over 2.1 {EVIL}", 21, 40, 20, 1.42, 2.13, 2.5)
+UNREADABLE = Finding(HealthKind.PROGRESS_UNREADABLE, "3 log lines ... Sample: iteration 5/50 | lm loss: 2.0",
                      details={"sample": "iteration 5/50 | lm loss: 2.0", "lines": 3})
 
 
@@ -60,7 +55,7 @@ def journalled(tmp_path: Path):
 def test_history_json_lists_every_health_event_with_its_numbers(journalled):
     r, j, _ = journalled
     h = report.history_data(r, j)["health"]
-    assert [ev["kind"] for ev in h] == [LOSS_SPIKE, PROGRESS_UNREADABLE, LOSS_DIVERGENCE]
+    assert [ev["kind"] for ev in h] == [HealthKind.LOSS_SPIKE, HealthKind.PROGRESS_UNREADABLE, HealthKind.LOSS_DIVERGENCE]
     div = h[2]["data"]
     assert div == {"first_step": 21, "last_step": 40, "window": 20, "level": 1.42, "threshold": 2.13, "value": 2.5,
                    "action": "stop"}
@@ -72,8 +67,8 @@ def test_history_json_lists_every_health_event_with_its_numbers(journalled):
 def test_status_counts_health_events_and_shows_the_newest(journalled):
     r, j, _ = journalled
     d = report.status_data(r, j)
-    assert d["health"]["counts"] == {LOSS_SPIKE: 1, PROGRESS_UNREADABLE: 1, LOSS_DIVERGENCE: 1}
-    assert d["health"]["last"]["kind"] == LOSS_DIVERGENCE
+    assert d["health"]["counts"] == {HealthKind.LOSS_SPIKE: 1, HealthKind.PROGRESS_UNREADABLE: 1, HealthKind.LOSS_DIVERGENCE: 1}
+    assert d["health"]["last"]["kind"] == HealthKind.LOSS_DIVERGENCE
     console = Console(record=True, width=160, force_terminal=True, color_system=None)
     status_view.status_view(r, j, console=console)
     text = console.export_text()
@@ -87,7 +82,7 @@ def test_the_report_marks_health_events_on_the_loss_curve(journalled):
     assert not page.errors and not page.stack
     marks = page.find("g", "health")
     # the events with steps are marked; progress_unreadable has none (it is in the table)
-    assert [m["data-kind"] for m in marks] == [LOSS_SPIKE, LOSS_DIVERGENCE]
+    assert [m["data-kind"] for m in marks] == [HealthKind.LOSS_SPIKE, HealthKind.LOSS_DIVERGENCE]
     assert any(t.startswith("loss_divergence (steps 21-40, found 19 steps after the onset): the loss level is 2.5")
                for t in page.titles)
     # the divergence is shaded from its onset to the finding, the delay written in the band; a one-step

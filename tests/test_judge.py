@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.domain.health_action import HealthAction
+from orchestrator.domain.health.action import HealthAction
 from orchestrator.loop.health import HealthSeen
-from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, Observation, ResumeDiverged,
+from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, Observation, ResumedAtWrongStep,
                                        RolledBack, SlowRestart, StopRequested, TrainingOver, judge)
 from orchestrator.types import AttemptKind, CrashClass, ExitStatus, Phase
 
@@ -24,7 +24,7 @@ TORN = {"exit": EXIT0, "at_end": True, "last_step": 10, "last_torn": ("checkpoin
 EXITED = {"exit": EXIT1}
 STOP = {"stop_requested": True}
 FULL = {"disk_full": "/out: 0.1 GiB free"}
-DIVERGED = {"resume_divergence": "loss 9.0 at step 11, 1.0 before"}
+DIVERGED = {"resumed_at_wrong_step": "loss 9.0 at step 11, 1.0 before"}
 HANG = {"hang": "no new training step for 700 s"}
 ROLLBACK_ACTION = HealthAction("rollback", "loss_divergence: ...; rolling back to checkpoint-10", 10, 14)
 UNHEALTHY = {"health": HealthSeen(stop="loss_divergence: level 4.1 over best 1.2; stopping")}
@@ -52,7 +52,7 @@ def kind_of(v) -> str:
     ({**TEARDOWN, "exit": KILLED}, "TrainingOver"),     # killed at teardown after the verified last save
     (STOP, "StopRequested"),
     (FULL, "crashed:disk_full"),
-    (DIVERGED, "ResumeDiverged"),
+    (DIVERGED, "ResumedAtWrongStep"),
     (HANG, "crashed:nccl_timeout_hang"),
     (UNHEALTHY, "HealthStop"),
     (ROLLBACK, "RolledBack"),
@@ -77,7 +77,7 @@ PRECEDENCE = [("NAN", "EXITED"), ("NAN", "DONE"), ("NAN", "STOP"), ("NAN", "FULL
               ("UNHEALTHY", "FULL"), ("ROLLBACK", "HANG"), ("DIVERGED", "SLOW"), ("STOP", "SLOW"), ("SLOW", "HANG")]
 ALONE = {"NAN": "crashed:nan_loss", "EXPORT_EXIT": "ExportExited", "TEARDOWN": "TrainingOver",
          "DONE": "TrainingOver", "TORN": "crashed:other", "EXITED": "crashed:classify", "STOP": "StopRequested",
-         "FULL": "crashed:disk_full", "DIVERGED": "ResumeDiverged", "HANG": "crashed:nccl_timeout_hang",
+         "FULL": "crashed:disk_full", "DIVERGED": "ResumedAtWrongStep", "HANG": "crashed:nccl_timeout_hang",
          "UNHEALTHY": "HealthStop", "ROLLBACK": "RolledBack", "SLOW": "SlowRestart"}
 
 
@@ -99,7 +99,7 @@ def test_verdicts_carry_what_act_needs():
     torn = judge(replace(QUIET, **TORN))
     assert isinstance(torn, Crashed) and torn.crash.cls is CrashClass.OTHER
     assert torn.crash.evidence[1:] == TORN["last_torn"]
-    assert judge(replace(QUIET, **DIVERGED)) == ResumeDiverged(DIVERGED["resume_divergence"])
+    assert judge(replace(QUIET, **DIVERGED)) == ResumedAtWrongStep(DIVERGED["resumed_at_wrong_step"])
     assert judge(replace(QUIET, **STOP)) == StopRequested() and judge(QUIET) == Keep()
     assert judge(replace(QUIET, **EXPORT_EXIT)) == ExportExited()
     assert judge(replace(QUIET, **ROLLBACK)) == RolledBack(ROLLBACK_ACTION, False)

@@ -9,8 +9,9 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.domain.goodput import LOST_CAUSES
+from orchestrator.domain.health.kinds import KINDS
 from orchestrator.host.metrics import RAISED_BY_SUPERVISOR, Metrics, parse_listen
-from orchestrator.types import Alert, CrashClass, GpuInfo, GpuSnapshot, Progress, State
+from orchestrator.types import Alert, CrashClass, GpuInfo, GpuSnapshot, HealthKind, Progress, State
 
 REQUIRED = {
     "orchestrator_crashes_total", "orchestrator_restarts_total", "orchestrator_training_step",
@@ -137,9 +138,14 @@ def test_nan_loss_is_exposed_as_nan(m: Metrics):
     assert math.isnan(val(m, "orchestrator_loss"))
 
 
-def test_resume_divergence_counter(m: Metrics):
-    m.resume_divergence()
+def test_resume_checks_have_counters_of_their_own(m: Metrics):
+    """The loss check and the step check count apart (the nan_or_divergence alert reads both)."""
+    m.health_event("resume_divergence")
     assert val(m, "orchestrator_resume_divergence_total") == 1.0
+    assert val(m, "orchestrator_resumed_at_wrong_step_total") == 0.0
+    m.health_event("resumed_at_wrong_step")
+    assert val(m, "orchestrator_resume_divergence_total") == 1.0
+    assert val(m, "orchestrator_resumed_at_wrong_step_total") == 1.0
 
 
 def test_checkpoint_age_from_run_start_then_from_last_checkpoint(m: Metrics):
@@ -289,13 +295,11 @@ def test_serve_on_loopback_returns_the_bound_port(m: Metrics):
     m.close()  # idempotent
 
 
-# --- run health (orchestrator/domain/health.py) ------------------------------------------------------------
+# --- run health (orchestrator/domain/health/kinds.py KINDS) --------------------------------------------------------
 
 def test_health_event_counts_are_precreated_at_zero_and_counted_by_kind(m: Metrics):
-    from orchestrator.domain.health import HEALTH_KINDS
-
-    for kind in HEALTH_KINDS:
-        assert val(m, "orchestrator_health_events_total", kind=kind) == 0.0
+    for kind in HealthKind:
+        assert val(m, "orchestrator_health_events_total", kind=kind.value) == 0.0
     m.health_event("loss_spike")
     m.health_event("loss_spike")
     m.health_event("loss_divergence")
@@ -303,6 +307,22 @@ def test_health_event_counts_are_precreated_at_zero_and_counted_by_kind(m: Metri
     assert val(m, "orchestrator_health_events_total", kind="loss_divergence") == 1.0
     with pytest.raises(ValueError, match="not a health event kind"):
         m.health_event("loss_wobble")
+
+
+@pytest.mark.parametrize("kind", list(HealthKind))
+def test_each_kind_raises_what_its_table_row_declares(kind: HealthKind):
+    """KINDS is the one place: a kind's event counts under its label, its own counter, and raises or clears
+    exactly the supervisor alert its row names (every other alert stays as it was)."""
+    m = Metrics()
+    for a in RAISED_BY_SUPERVISOR:
+        m.alert(a, a == KINDS[kind].clears)   # what the event clears starts raised
+    m.health_event(kind)
+    e = KINDS[kind]
+    assert val(m, "orchestrator_health_events_total", kind=kind.value) == 1.0
+    if e.counter is not None:
+        assert val(m, e.counter[0] + "_total") == 1.0
+    for a in RAISED_BY_SUPERVISOR:   # raised if the row raises it; the cleared one went from 1 to 0
+        assert val(m, "orchestrator_alert_active", alert=a.value) == (1.0 if e.raises and a == e.alert else 0.0), a
 
 
 def test_throughput_drop_raises_its_alert_and_recovery_clears_it(m: Metrics):

@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.domain import costs
 from orchestrator.domain.progress import andon, parse_jsonl_line, parse_line
-from orchestrator.domain.progress_unreadable import unreadable
+from orchestrator.domain.health.progress_unreadable import unreadable
 from orchestrator.types import Progress
 
 HERE = Path(__file__).parent / "fixtures" / "progress"

@@ -1,4 +1,4 @@
-"""Progress lines the parser does not understand (orchestrator/domain/progress_unreadable.py): the predicate
+"""Progress lines the parser does not understand (orchestrator/domain/health/progress_unreadable.py): the predicate
 over real formats, the real demo's stdout (nothing unreadable), and the tracker's once-per-attempt finding
 and liveness."""
 from __future__ import annotations
@@ -7,15 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.types import HealthKind
 from orchestrator.config.schema import HealthSection
 from orchestrator.domain import progress
-from orchestrator.domain.health import PROGRESS_UNREADABLE
-from orchestrator.domain.health_watch import HealthWatch
-from orchestrator.domain.progress_unreadable import (
-    UnreadableTracker,
-    looks_like_progress,
-    unreadable,
-)
+from orchestrator.domain.health.watch import HealthWatch
+from orchestrator.domain.health.progress_unreadable import UnreadableTracker, looks_like_progress, unreadable
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MEGATRON = (" iteration      100/  500000 | consumed samples:       102400 | elapsed time per iteration (ms): 5120.3 |"
@@ -66,7 +62,7 @@ def test_unparsed_progress_is_one_finding_with_a_sample_and_counts_as_liveness()
     found = [t.feed(MEGATRON, float(now)) for now in range(10)]
     (f,) = [x for x in found if x is not None]
     assert found[2] is f  # the third line in a row
-    assert f.kind == PROGRESS_UNREADABLE and f.details["sample"] == MEGATRON.strip() and "lm loss" in f.message
+    assert f.kind == HealthKind.PROGRESS_UNREADABLE and f.details["sample"] == MEGATRON.strip() and "lm loss" in f.message
     assert t.alive_at == 9.0
 
 

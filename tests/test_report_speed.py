@@ -1,5 +1,5 @@
 """The report's throughput panel plots what the throughput detector judges (issue 35, item 5): seconds per step
-between step records (ops/step_speed.py, fed through domain/throughput.ThroughputTracker), its median and the
+between step records (ops/step_speed.py, fed through domain/health/throughput.ThroughputTracker), its median and the
 baseline, not the trainer's since-start average. From synthetic ms-swift logging.jsonl runs written the way
 ms-swift writes them (train_speed(s/it) = elapsed / (step - start step), elapsed_time in whole seconds)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The effective-training-time simulation (orchestrator/domain/simulate.py): sanity, policy, determinism, analytics."""
+"""The effective-training-time simulation (orchestrator/domain/simulate/model.py): sanity, policy, determinism, analytics."""
 from __future__ import annotations
 
 import math
@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 
 from orchestrator.loop import preflight
-from orchestrator.domain import simulate_report as R
-from orchestrator.domain import slow_schedule as SS
+from orchestrator.domain.simulate import report as R
+from orchestrator.domain.simulate import slow_schedule as SS
 from orchestrator.config.recipe import SupervisorSection
-from orchestrator.domain.simulate import FIELD, HARSH, KINDS, LOOPS, Scenario, simulate
-from orchestrator.domain.simulate_stats import analytic_ratio, compare, summarize
+from orchestrator.domain.simulate.model import FIELD, HARSH, KINDS, LOOPS, Scenario, simulate
+from orchestrator.domain.simulate.stats import analytic_ratio, compare, summarize
 
 # No crash-loop backoff, no give-up: the policy reduces to its per-class waits.
 NO_GUARDS = SupervisorSection(max_crashes_per_hour=10**6, max_relaunches_without_progress=10**6)
@@ -216,7 +216,7 @@ def test_an_impossible_run_ends_at_the_wall_cap():
     assert math.isfinite(r.wall_s)
 
 
-# --- issue 13: saves, waits and starts priced (simulate_report.py); `orchestrator simulate` ----------
+# --- issue 13: saves, waits and starts priced (domain/simulate/report.py); `orchestrator simulate` ----------
 
 def test_default_save_bytes_are_the_shipped_397b_recipes_storage_budget():
     from recipes import RECIPES
@@ -334,7 +334,7 @@ def test_simulate_command(tmp_path):
         assert r.exit_code == 2 and "error" in r.output
 
 
-# --- issue 23: slowdowns (slow_schedule.py), `simulate --slowdown` ------------------------------------
+# --- issue 23: slowdowns (domain/simulate/slow_schedule.py), `simulate --slowdown` ------------------------------------
 SLOW = replace(Scenario(name="slow", total_steps=4000), slowdowns=((0.2, 0.5),))
 
 

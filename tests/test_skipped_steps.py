@@ -1,4 +1,4 @@
-"""Overflow-skipped updates are not NaN (issue 35, item 1): domain/skipped_steps.py over real trainer lines
+"""Overflow-skipped updates are not NaN (issue 35, item 1): domain/health/skipped_steps.py over real trainer lines
 (tests/fixtures/progress/, sources in its sources.jsonl), the recipe's precision, the attempt's andon and the
 metric."""
 from __future__ import annotations
@@ -10,12 +10,11 @@ import pytest
 
 from orchestrator.config import recipe as R
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health import SKIPPED_STEPS
-from orchestrator.domain.health_watch import HealthWatch
+from orchestrator.domain.health.watch import HealthWatch
 from orchestrator.domain.progress import parse_jsonl_line, parse_line
-from orchestrator.domain.skipped_steps import SkippedSteps, fp16_run
+from orchestrator.domain.health.skipped_steps import SkippedSteps, fp16_run
 from orchestrator.host.metrics import Metrics
-from orchestrator.types import Progress
+from orchestrator.types import Progress, HealthKind
 
 HERE = Path(__file__).parent / "fixtures" / "progress"
 
@@ -120,7 +119,7 @@ def test_the_health_watch_warns_once_per_run_of_skips():
     w = HealthWatch(HealthSection(), fp16=True)
     grads = [1.0, math.nan, math.nan, 1.0, math.nan, 1.0]
     found = [f for i, g in enumerate(grads, 1) for f in w.observe(Progress(step=i, loss=2.0, grad_norm=g))]
-    assert [(f.kind, f.first_step) for f in found] == [(SKIPPED_STEPS, 2), (SKIPPED_STEPS, 5)]
+    assert [(f.kind, f.first_step) for f in found] == [(HealthKind.SKIPPED_STEPS, 2), (HealthKind.SKIPPED_STEPS, 5)]
     assert found[0].record()["skipped"] == 1 and "fp16" in found[0].message
     # bf16: no skip, no warning (the andon is the attempt's)
     w = HealthWatch(HealthSection())

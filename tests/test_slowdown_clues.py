@@ -1,9 +1,9 @@
-"""What the evidence at a throughput drop points at (domain/slowdown_clues.py): table, false positives first."""
+"""What the evidence at a throughput drop points at (domain/health/slowdown_clues.py): table, false positives first."""
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.domain.slowdown_clues import clues
+from orchestrator.domain.health.slowdown_clues import clues
 from orchestrator.types import CgroupCpu, GpuHealth, SlowdownEvidence
 
 HEALTHY_GPU = GpuHealth(0, 1980, 1980, 2619, (), 65, 550.0, 700.0, 0, 12, 0)

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from orchestrator.domain.slowdown_clues import clues
-from orchestrator.domain.throughput import THROUGHPUT_DROP, THROUGHPUT_RECOVERED, ThroughputParams, ThroughputTracker
+from orchestrator.types import HealthKind
+from orchestrator.domain.health.slowdown_clues import clues
+from orchestrator.domain.health.throughput import ThroughputParams, ThroughputTracker
 from orchestrator.host import slowdown_evidence as se
 from cpu_cgroup import CPU_V1, why_no_cpu_quota
 
@@ -63,19 +64,19 @@ def test_a_cut_cpu_quota_is_a_throughput_drop_with_the_cgroup_as_evidence_then_r
         assert found == [], "no drop before the quota is cut"
 
         (cg / "cpu.cfs_quota_us").write_text("4000")   # 4 % of a CPU
-        wait_for(THROUGHPUT_DROP, 30)
+        wait_for(HealthKind.THROUGHPUT_DROP, 30)
         ev = se.read([child.pid], gpus=[], interval_s=0.5)
         (mine,) = [c for c in ev.cgroups if c.path == str(cg)]
         assert mine.quota == "4000/100000" and mine.throttled_now and mine.throttled_now > 0
         assert any(c.startswith(f"cgroup {cg}: CPU quota 4000/100000 throttled the trainer") for c in clues(ev))
-        drop = next(f for f in found if f.kind == THROUGHPUT_DROP)
-        assert drop.ratio > 1.5 and drop.window_s >= 2.0
+        drop = next(f for f in found if f.kind == HealthKind.THROUGHPUT_DROP)
+        assert drop.details["ratio"] > 1.5 and drop.details["window_s"] >= 2.0
 
         (cg / "cpu.cfs_quota_us").write_text("-1")
-        wait_for(THROUGHPUT_RECOVERED, 30)
-        assert [f.kind for f in found] == [THROUGHPUT_DROP, THROUGHPUT_RECOVERED]
+        wait_for(HealthKind.THROUGHPUT_RECOVERED, 30)
+        assert [f.kind for f in found] == [HealthKind.THROUGHPUT_DROP, HealthKind.THROUGHPUT_RECOVERED]
         rec = found[1]
-        assert rec.since == drop.since and rec.at > drop.at   # the slow spell: a goodput "slow" span
+        assert rec.since == drop.since and rec.at is not None and drop.at is not None and rec.at > drop.at   # the slow spell: a goodput "slow" span
     finally:
         if child is not None:
             child.kill()

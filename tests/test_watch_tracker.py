@@ -34,7 +34,7 @@ def test_an_unfit_checkpoint_is_left_in_place_and_nothing_is_deleted(tmp_path):
     rc.scan(0.0)
     rc.close()
     [f] = rc.left_in_place
-    assert f.step == 6 and f.kind == "checkpoint_nonfinite"
+    assert f.last_step == 6 and f.kind == "checkpoint_nonfinite"
     [ev] = [e for e in j.events(200) if e["kind"] == "checkpoint_nonfinite"]
     assert ev["message"].endswith("left in place (watch mode)")
     assert not {c["step"]: c for c in j.checkpoints()}[6]["ok"] and rc.newest_good_step() == 4

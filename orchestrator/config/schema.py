@@ -260,7 +260,7 @@ class MetricsSection(_Section):
 
 
 class HealthSection(_Section):
-    """Run health (domain/health*.py): thresholds and actions. Outside the recipe hash. The defaults raise nothing
+    """Run health (domain/health/): thresholds and actions. Outside the recipe hash. The defaults raise nothing
     on the demo, the tests' normal runs and real noisy SFT series (README "Run health" says why each)."""
 
     # Absolute limits, the field's andon ("loss > 10", "gradient_norm > 100"): unset, as they depend on the model.
@@ -287,7 +287,7 @@ class HealthSection(_Section):
     resume_level_tolerance: float = Field(default=0.5, gt=0)
     unreadable_lines: int = Field(default=3, ge=1)  # progress-looking lines in a row with no step record
     # fp16 (a loss scaler): a non-finite grad norm with a finite loss is a skipped update, an andon only after
-    # more than this many in a row (domain/skipped_steps.py). Megatron halves its 2^32 initial scale per skip.
+    # more than this many in a row (domain/health/skipped_steps.py). Megatron halves its 2^32 initial scale per skip.
     max_skipped_steps: int = Field(default=50, ge=1)
     # Throughput: step time over the attempt's baseline by slowdown_ratio for slowdown_window_s; "restart":
     # graceful stop and relaunch after a verified checkpoint.

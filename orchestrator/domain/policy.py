@@ -142,7 +142,7 @@ def hang_verdict(now: float, launched_at: float, last_step_at: float | None,
 
 def resume_verdict(resume_step: int, first_step: int, logging_steps: int) -> str | None:
     """Checks that after a resume from checkpoint N the first logged step lies in (N, N + logging_steps]. The
-    resumed losses are run health's to judge (health_resume.py)."""
+    resumed losses are run health's to judge (domain/health/resume.py)."""
     if not resume_step < first_step <= resume_step + logging_steps:
         return f"resumed from step {resume_step} but the first logged step is {first_step}"
     return None

@@ -23,10 +23,10 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
-from orchestrator.domain import health
+from orchestrator.domain.health.kinds import KINDS
 from orchestrator.domain.goodput import LOST_CAUSES
 from orchestrator.config.schema import SupervisorSection
-from orchestrator.types import Alert, CrashClass, GpuSnapshot, Progress, State
+from orchestrator.types import Alert, CrashClass, GpuSnapshot, HealthKind, Progress, State
 
 # The alerts whose state only the supervisor knows: it raises and clears them through alert(), as
 # orchestrator_alert_active{alert}. Every other Alert is derived by Prometheus from the metrics here.
@@ -35,11 +35,10 @@ from orchestrator.types import Alert, CrashClass, GpuSnapshot, Progress, State
 #                       verification; cleared when a newer one verifies ok
 #   throughput_drop     raised by the throughput_drop health event; cleared by throughput_recovered
 #   progress_unreadable raised by the progress_unreadable health event; cleared by the next step record understood
-RAISED_BY_SUPERVISOR: frozenset[Alert] = frozenset({Alert.DISK_FULL, Alert.CHECKPOINT_INVALID, Alert.NODE_EXCLUDED,
-                                                    Alert.THROUGHPUT_DROP, Alert.PROGRESS_UNREADABLE})
-# Health event kinds that raise / clear a supervisor alert (health_event()).
-_HEALTH_RAISES = {health.THROUGHPUT_DROP: Alert.THROUGHPUT_DROP, health.PROGRESS_UNREADABLE: Alert.PROGRESS_UNREADABLE}
-_HEALTH_CLEARS = {health.THROUGHPUT_RECOVERED: Alert.THROUGHPUT_DROP}
+#   (health kinds)      what domain/health/kinds.py KINDS marks `raises`: throughput_drop, progress_unreadable
+RAISED_BY_SUPERVISOR: frozenset[Alert] = frozenset(
+    {Alert.DISK_FULL, Alert.CHECKPOINT_INVALID, Alert.NODE_EXCLUDED}
+    | {e.alert for e in KINDS.values() if e.raises and e.alert is not None})
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
 
@@ -142,8 +141,8 @@ class Metrics:
         self._skipped = counter("orchestrator_skipped_steps",
                                 "Updates skipped on an fp16 overflow (a NaN/inf grad norm with a finite loss, or "
                                 "Megatron's `number of skipped iterations`): not NaN steps.")
-        self._divergence = counter("orchestrator_resume_divergence",
-                                   "Resumes whose loss diverged from the loss logged at the checkpoint.")
+        # a health kind's own counter (domain/health/kinds.py KINDS): the resume checks', read by alert rules
+        self._kind_counters = {k: counter(*e.counter) for k, e in KINDS.items() if e.counter is not None}
         self._ckpt_age = gauge("orchestrator_checkpoint_age_seconds",
                                "Seconds since the last saved checkpoint (since run start before any).")
         self._ckpt_step = gauge("orchestrator_last_checkpoint_step", "Step of the last saved checkpoint.")
@@ -173,7 +172,7 @@ class Metrics:
         self._hang_timer = gauge("orchestrator_hang_timeout_seconds",
                                  "The running attempt's hang timer: no new step for this long is a hang.")
         self._health = counter("orchestrator_health_events",
-                               "Run-health events, by kind (orchestrator/domain/health.py HEALTH_KINDS).", ("kind",))
+                               "Run-health events, by kind (types.HealthKind).", ("kind",))
         self._throughput = gauge("orchestrator_throughput_ratio",
                                  "Training throughput now / the attempt's baseline (1: baseline speed, 0.5: half).")
         self._loss_level = gauge("orchestrator_loss_level",
@@ -189,8 +188,8 @@ class Metrics:
             self._state.labels(s.value).set(0)
         for c in CrashClass:
             self._crashes.labels(c.value)
-        for k in health.HEALTH_KINDS:
-            self._health.labels(k)
+        for k in HealthKind:
+            self._health.labels(k.value)
         self._throughput.set(1)
         for a in Alert:
             if a in RAISED_BY_SUPERVISOR:
@@ -257,14 +256,18 @@ class Metrics:
                 g.set(v)
 
     def health_event(self, kind: str) -> None:
-        """One run-health event (a Finding's kind): counted, and the supervisor alert it raises or clears."""
-        if kind not in health.HEALTH_KINDS:
-            raise ValueError(f"{kind!r} is not a health event kind ({', '.join(health.HEALTH_KINDS)})")
+        """One run-health event (a Finding's kind): counted, with what KINDS says it raises: its own counter, the
+        supervisor alert it raises or clears."""
+        if kind not in KINDS:
+            raise ValueError(f"{kind!r} is not a health event kind ({', '.join(HealthKind)})")
+        effects = KINDS[HealthKind(kind)]
         self._health.labels(kind).inc()
-        if kind in _HEALTH_RAISES:
-            self.alert(_HEALTH_RAISES[kind], True)
-        if kind in _HEALTH_CLEARS:
-            self.alert(_HEALTH_CLEARS[kind], False)
+        if own := self._kind_counters.get(HealthKind(kind)):
+            own.inc()
+        if effects.raises and effects.alert is not None:
+            self.alert(effects.alert, True)
+        if effects.clears is not None:
+            self.alert(effects.clears, False)
 
     def throughput(self, ratio: float) -> None:
         """Throughput now / the attempt's baseline (the throughput detector sets it each pass)."""
@@ -283,9 +286,6 @@ class Metrics:
 
     def restart(self) -> None:
         self._restarts.inc()
-
-    def resume_divergence(self) -> None:
-        self._divergence.inc()
 
     def checkpoint_saved(self, step: int, at: float) -> None:
         """A verified checkpoint exists. Also call it at start-up for the newest one on disk

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, ResumeDiverged, RolledBack,
+from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, ResumedAtWrongStep, RolledBack,
                                        SlowRestart, StopRequested, TrainingOver, Verdict)
 from orchestrator.types import Action, CrashClass, Decision
 
@@ -113,6 +113,6 @@ def advise(what: Verdict | Exited | UnfitCheckpoint, at: At) -> Advice | None:
                           f": {act.reason}", kill_run)
         case SlowRestart(reason=reason):
             return Advice("restart", f"would restart: {reason}", kill_run)
-        case ResumeDiverged(detail=detail):
-            return Advice("stop", f"would stop: resume divergence: {detail}", f"kill {at.pid}")
+        case ResumedAtWrongStep(detail=detail):
+            return Advice("stop", f"would stop: resumed at the wrong step: {detail}", f"kill {at.pid}")
     raise AssertionError(f"advise: unknown {what!r}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orchestrator.domain import costs, progress
-from orchestrator.domain.skipped_steps import SkippedSteps
+from orchestrator.domain.health.skipped_steps import SkippedSteps
 from orchestrator.host.base import Host, Trainer
 from orchestrator.host.journal import Journal
 from orchestrator.host.launch.local import FileTail

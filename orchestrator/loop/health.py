@@ -3,9 +3,9 @@ was logged before, progress lines the parser cannot read, and the attempt's thro
 
     start(a)         a new attempt: HealthWatch.attempt (the run's logged steps on this supervisor's first
                      launch), a new ThroughputTracker against the best baseline of earlier attempts
-    observe(a, ...)  feeds what the pass read to the detectors (domain/health*.py, domain/throughput.py), takes
-                     the machine's evidence at a throughput drop, and decides (pure: health_action.decide,
-                     decide_resume, slowdown_action) -> HealthSeen, a frozen value for the Observation
+    observe(a, ...)  feeds what the pass read to the detectors (domain/health/: the HealthWatch's list and the
+                     throughput tracker), takes the machine's evidence at a throughput drop, and decides each
+                     finding (pure: domain/health/action.act) -> HealthSeen, a frozen value for the Observation
     record(seen)     the journal events (with their numbers and the action), the metrics, the `slow` spans:
                      called by the supervisor where it acts
     end(now)         the slow spell still open when the attempt ends, as a `slow` span
@@ -15,17 +15,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from orchestrator.domain import progress
-from orchestrator.domain.health import DIVERGENCE_KINDS, RESUME_DIVERGENCE, THROUGHPUT_DROP, THROUGHPUT_RECOVERED
-from orchestrator.domain.health_action import HealthAction, decide, decide_resume, rollbacks_of
-from orchestrator.domain.health_watch import HealthWatch
-from orchestrator.domain.skipped_steps import fp16_run
-from orchestrator.domain.slowdown_clues import clues
-from orchestrator.domain.throughput import ThroughputParams, ThroughputTracker, slowdown_action
+from orchestrator.domain.health import action
+from orchestrator.domain.health.action import HealthAction, Situation, rollbacks_of
+from orchestrator.domain.health.kinds import DIVERGENCE_KINDS
+from orchestrator.domain.health.skipped_steps import fp16_run
+from orchestrator.domain.health.slowdown_clues import clues
+from orchestrator.domain.health.throughput import ThroughputParams, ThroughputTracker
+from orchestrator.domain.health.watch import HealthWatch
 from orchestrator.host.base import Host
 from orchestrator.host.metrics import Metrics
 from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.run import RunContext
-from orchestrator.types import Alert, AttemptKind, Progress
+from orchestrator.types import Alert, AttemptKind, HealthKind, Progress
 
 SUSPECT_KEY = "health_suspect"   # journal kv: {"from", "through"}: steps whose logged losses are no reference
 
@@ -109,35 +110,31 @@ class RunHealth:
         if tr.ratio is not None:
             self.metrics.throughput(tr.ratio)
         events, stop, rollback, suspect, restart, onsets = [], None, None, False, None, []
-        verified = self.ctx.checkpoints.good_steps() if found else []
-        for f in found:
-            if f.kind == RESUME_DIVERGENCE and a.resume is not None:
-                act = decide_resume(f, a.resume.step, verified, self.retrying_resume)
-            elif f.kind in DIVERGENCE_KINDS:
-                act = decide(f, self.cfg.on_divergence, verified,
-                             rollbacks_of(self.ctx.journal.events_of(DIVERGENCE_KINDS)))
-            else:
-                act = HealthAction("warn", f.message)
-            events.append(HealthEvent(f.kind, f.message, {**f.record(), **act.record()}))
-            if act.action != "warn":
+        situation = Situation(
+            self.cfg.on_divergence, self.cfg.on_slowdown, self.ctx.checkpoints.good_steps() if found else [],
+            rollbacks_of(self.ctx.journal.events_of(DIVERGENCE_KINDS))
+            if any(f.kind in DIVERGENCE_KINDS for f in found) else [],
+            a.resume.step if a.resume is not None else None, self.retrying_resume, now, self.last_restart_at)
+        for f in found + slow:
+            act = action.act(f, situation)
+            message, data = f.message, {**f.record(), **act.record()}
+            if f.kind == HealthKind.THROUGHPUT_DROP:
+                evidence = self.host.slowdown_evidence(a.launched)
+                suspects = clues(evidence)
+                message += f"; {'; '.join(suspects)}" if suspects else ""
+                data |= {"clues": list(suspects), "evidence": asdict(evidence), "why": act.reason}
+            events.append(HealthEvent(f.kind, message, data, slow_span=(f.since, f.at)
+                                      if f.kind == HealthKind.THROUGHPUT_RECOVERED and f.since is not None
+                                      and f.at is not None else None))
+            if act.action in ("stop", "rollback"):
                 onsets.append(act.quarantine_from if act.quarantine_from is not None else f.first_step
                               if f.first_step is not None else f.last_step if f.kind in DIVERGENCE_KINDS else None)
             if act.action == "stop" and stop is None:
-                stop = f"resume divergence: {act.reason}" if f.kind == RESUME_DIVERGENCE else act.reason
+                stop = f"resume divergence: {act.reason}" if f.kind == HealthKind.RESUME_DIVERGENCE else act.reason
             elif act.action == "rollback" and rollback is None:
-                rollback, suspect = act, f.kind == RESUME_DIVERGENCE
-        for s in slow:
-            if s.kind == THROUGHPUT_DROP:
-                evidence = self.host.slowdown_evidence(a.launched)
-                action, why = slowdown_action(self.cfg.on_slowdown, now, self.last_restart_at)
-                suspects = clues(evidence)
-                events.append(HealthEvent(s.kind, s.message() + (f"; {'; '.join(suspects)}" if suspects else ""),
-                                          {**s.data(), "clues": list(suspects), "evidence": asdict(evidence),
-                                           "action": action, "why": why}))
-                if action == "restart":
-                    restart, self.last_restart_at = f"{s.message()}; restarting ({why})", now
-            elif s.kind == THROUGHPUT_RECOVERED:
-                events.append(HealthEvent(s.kind, s.message(), s.data(), slow_span=(s.since, s.at)))
+                rollback, suspect = act, f.kind == HealthKind.RESUME_DIVERGENCE
+            elif act.action == "restart" and restart is None:
+                restart, self.last_restart_at = f"{f.message}; restarting ({act.reason})", now
         self._forget_suspect(a)
         return HealthSeen(tuple(events), stop, rollback, suspect, restart,
                           min((o for o in onsets if o is not None), default=None))
@@ -146,9 +143,7 @@ class RunHealth:
         """Records a pass's health events: journal (with their numbers), metrics, the `slow` goodput spans."""
         for e in seen.events:
             self.ctx.journal.event(e.kind, e.message, **e.data)
-            self.metrics.health_event(e.kind)
-            if e.kind == RESUME_DIVERGENCE:
-                self.metrics.resume_divergence()  # the nan_or_divergence alert reads this counter
+            self.metrics.health_event(e.kind)   # with what KINDS says it raises (resume_divergence: its counter)
             if e.slow_span:
                 self.ctx.journal.span(*e.slow_span, "slow")
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from orchestrator.config.recipe import RecipeError
 from orchestrator.config.render.command import render_command
 from orchestrator.config.render.export import render_export
-from orchestrator.domain.skipped_steps import fp16_run
+from orchestrator.domain.health.skipped_steps import fp16_run
 from orchestrator.host.base import Host
 from orchestrator.host.launch.local import LaunchError
 from orchestrator.host.metrics import Metrics

@@ -16,7 +16,7 @@
                   any other exit             -> Crashed (classify the log)
                   a stop requested           -> StopRequested
                   disk about to fill         -> Crashed (disk_full)
-                  resumed at the wrong step  -> ResumeDiverged
+                  resumed at the wrong step  -> ResumedAtWrongStep
                   a slowdown, on_slowdown = "restart" -> SlowRestart
                   hang                       -> Crashed (nccl_timeout_hang, stacks dumped)
                   otherwise                  -> Keep
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from orchestrator.domain import policy
 from orchestrator.host.base import Host
 from orchestrator.host.metrics import Metrics
-from orchestrator.domain.health_action import HealthAction
+from orchestrator.domain.health.action import HealthAction
 from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.health import HealthSeen, RunHealth
 from orchestrator.loop.run import RunContext
@@ -59,7 +59,7 @@ class Observation:
     last_torn: tuple[str, ...] = ()    # why the last step's checkpoint failed verification
     stop_requested: bool = False
     disk_full: str | None = None       # why the trainer must stop before it meets ENOSPC
-    resume_divergence: str | None = None
+    resumed_at_wrong_step: str | None = None   # the resumed trainer did not continue from its checkpoint
     hang: str | None = None
     health: HealthSeen = HealthSeen()
 
@@ -97,7 +97,7 @@ class StopRequested:
 
 
 @dataclass(frozen=True)
-class ResumeDiverged:
+class ResumedAtWrongStep:
     """The resumed attempt did not continue from its resume point: give up, saying why."""
 
     detail: str
@@ -129,7 +129,7 @@ class SlowRestart:
     reason: str
 
 
-Verdict = (Keep | Crashed | TrainingOver | ExportExited | StopRequested | ResumeDiverged | HealthStop | RolledBack
+Verdict = (Keep | Crashed | TrainingOver | ExportExited | StopRequested | ResumedAtWrongStep | HealthStop | RolledBack
            | SlowRestart)
 
 
@@ -165,8 +165,8 @@ def judge(obs: Observation) -> Verdict:
         return StopRequested()
     if obs.disk_full:
         return Crashed(Crash(CrashClass.DISK_FULL, (obs.disk_full,), obs.phase))
-    if obs.resume_divergence:
-        return ResumeDiverged(obs.resume_divergence)
+    if obs.resumed_at_wrong_step:
+        return ResumedAtWrongStep(obs.resumed_at_wrong_step)
     if obs.health.restart:
         return SlowRestart(obs.health.restart)
     if obs.hang:
@@ -208,7 +208,7 @@ class Observer:
             now=now, exit=exit_, kind=a.row.kind, phase=a.phase, nan_line=a.bad, nan_step=a.bad_step,
             at_end=a.at_end, last_step=last, last_verified=verified, last_torn=torn,
             stop_requested=self.stop_requested(), disk_full=disk_full,
-            resume_divergence=self._resume_divergence(a) if exit_ is None else None, health=health,
+            resumed_at_wrong_step=self._resumed_at_wrong_step(a) if exit_ is None else None, health=health,
             hang=self._hang(a, now, mono) if exit_ is None else None)
 
     def drain(self, a: AttemptWatch) -> list[Progress]:
@@ -251,7 +251,7 @@ class Observer:
             self.echo(f"{time.strftime('%H:%M:%S', time.localtime(now))} progress: "
                       f"step {a.last.step}/{a.last.max_steps}{loss}")
 
-    def _resume_divergence(self, a: AttemptWatch) -> str | None:
+    def _resumed_at_wrong_step(self, a: AttemptWatch) -> str | None:
         """Checks the resumed attempt's first logged step follows its resume point (once). Its losses against the
         run's earlier ones are run health's resume check (loop/health.py)."""
         if a.resume is None or a.first_logged is None or a.resume_checked:

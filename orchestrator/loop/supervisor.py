@@ -35,12 +35,12 @@ from orchestrator.loop.health import RunHealth
 from orchestrator.loop.launch import Launcher
 from orchestrator.loop.recovery import Recovery
 from orchestrator.loop.run import RunContext, open_run
-from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, Observer, ResumeDiverged,
+from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, Observer, ResumedAtWrongStep,
                                        RolledBack, SlowRestart, StopRequested, TrainingOver, judge)
 from orchestrator.loop.states import transitions_text
 from orchestrator.loop.ticker import Ticker
 from orchestrator.store.standing import SetAside
-from orchestrator.types import TERMINAL_STATES, TRANSITIONS, Crash, CrashClass, ExitCode, SetAsideReason, State
+from orchestrator.types import TERMINAL_STATES, TRANSITIONS, Crash, CrashClass, ExitCode, HealthKind, SetAsideReason, State
 
 __doc__ = (__doc__ or "").format(transitions=transitions_text())
 
@@ -209,8 +209,8 @@ class Supervisor:
                 return exported if isinstance(exported, State) else parts.recovery.crashed(a, exported)
             case StopRequested():
                 return State.STOPPING
-            case ResumeDiverged(detail=detail):
-                return self._give_up_on_divergence(a, detail)
+            case ResumedAtWrongStep(detail=detail):
+                return self._give_up_on_wrong_step(a, detail)
             case HealthStop(reason=reason, set_aside_from=first):
                 self._stop_attempt(a, reason)
                 if first is not None:  # kept for a person, never resumed from, published or exported
@@ -259,12 +259,13 @@ class Supervisor:
         self._parts.observer.drain(a)  # the steps and the checkpoint it wrote on the way out
         a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER, (f"stopped by orchestrator: {why}",)), stopped=True)
 
-    def _give_up_on_divergence(self, a: AttemptWatch, detail: str) -> State:
-        """The resume loaded weights whose losses do not continue the run's: retrying cannot help. The trainer
-        is stopped and its row finished, saying why."""
-        self.metrics.resume_divergence()
-        self._ctx.journal.event("resume_divergence", detail)
-        self.exit_reason = f"resume divergence: {detail}"
+    def _give_up_on_wrong_step(self, a: AttemptWatch, detail: str) -> State:
+        """The resumed trainer's first logged step does not follow its checkpoint (the step check,
+        `resumed_at_wrong_step`; the losses are run health's `resume_divergence`): retrying cannot help. The
+        trainer is stopped and its row finished, saying why."""
+        self.metrics.health_event(HealthKind.RESUMED_AT_WRONG_STEP)
+        self._ctx.journal.event(HealthKind.RESUMED_AT_WRONG_STEP, detail)
+        self.exit_reason = f"resumed at the wrong step: {detail}"
         self._stop_attempt(a, self.exit_reason)
         return State.GAVE_UP
 

@@ -240,7 +240,8 @@ class Watch:
         tracker = self.ctx.checkpoints
         while tracker.left_in_place:
             f = tracker.left_in_place.pop(0)
-            self._say(UnfitCheckpoint(f.step, f.kind, f.problems[0]), a)
+            assert f.last_step is not None, f
+            self._say(UnfitCheckpoint(f.last_step, f.kind, f.message), a)
 
     # --- the hang -----------------------------------------------------------------------------
     def _hang(self, a: AttemptWatch, v: Crashed) -> tuple[State, ExitCode | str] | None:

@@ -379,7 +379,7 @@ def install_service_cmd(recipe: Path, name: str | None, dry_run: bool, unit_dir:
 @SET
 @JSON
 @click.option("--mix", type=click.Choice(["field", "harsh"]), default="field", show_default=True,
-              help="The crash mix (orchestrator/domain/simulate.py FIELD, HARSH).")
+              help="The crash mix (orchestrator/domain/simulate/model.py FIELD, HARSH).")
 @click.option("--crash-rate", type=float, default=None, help="Training crashes per hour (the mix's proportions kept).")
 @click.option("--save-steps", default=None, help="The orchestrator's interval: auto or N (default: the recipe's, else auto).")
 @click.option("--write-gib-s", type=float, default=1.0, show_default=True, help="Checkpoint write speed, GiB/s.")
@@ -403,8 +403,8 @@ def simulate(recipe: Path | None, overrides: tuple[str, ...], as_json: bool, mix
     Save cost from RECIPE's storage budget (default: the shipped Qwen3.5-397B recipe's numbers) at
     --write-gib-s; the plain loop is the field's procedure: the merged copy at every save, every 100
     steps, `sleep 90`, no hang detection."""
-    from orchestrator.domain import simulate_report as S
-    from orchestrator.domain.slow_schedule import check_slowdowns, parse_slowdown
+    from orchestrator.domain.simulate import report as S
+    from orchestrator.domain.simulate.slow_schedule import check_slowdowns, parse_slowdown
     from orchestrator.ops.plan import simulate_inputs
 
     if save_steps is not None and save_steps != "auto" and not (save_steps.isdigit() and int(save_steps) > 0):

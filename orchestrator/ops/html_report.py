@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from orchestrator.domain.goodput import LOST_CAUSES
+from orchestrator.domain.health.kinds import KINDS
 
 MAX_POINTS = 20_000  # beyond this the loss polyline is thinned (a browser copes, a reader cannot tell)
 W, H = 960, 380
@@ -21,12 +22,7 @@ CLASS_COLORS = {
     "host_oom_killed": "#b07aa1", "disk_full": "#9c755f", "cuda_fatal": "#d62728", "nan_loss": "#edc948",
     "other": "#7f7f7f",
 }
-HEALTH_COLORS = {
-    "loss_spike": "#f28e2b", "grad_norm_spike": "#e8a33d", "loss_divergence": "#c0392b", "loss_limit": "#a61e4d",
-    "grad_norm_limit": "#a61e4d", "resume_divergence": "#6f42c1", "progress_unreadable": "#7f7f7f",
-    "throughput_drop": "#17becf", "throughput_recovered": "#2e9d5b", "checkpoint_unchanged": "#8c564b",
-    "checkpoint_nonfinite": "#8c564b", "skipped_steps": "#bcbd22",
-}
+HEALTH_COLORS = {k.value: e.colour for k, e in KINDS.items()}   # declared beside each kind
 CAUSE_COLORS = {"productive": "#2e9d5b", "startup": "#f2c14e", "lost_progress": "#e4572e", "wait": "#9aa5b1",
                 "hang": "#8e44ad", "cleanup": "#3a86ff", "slow": "#c9a227", "other": "#d0d0d0"}
 

@@ -14,17 +14,16 @@ from pathlib import Path
 
 from orchestrator.config.recipe import Recipe
 from orchestrator.domain import goodput, progress
-from orchestrator.domain.health import HEALTH_KINDS
 from orchestrator.domain.costs import mean_save
 from orchestrator.host.journal_goodput import goodput_of
-from orchestrator.domain.throughput import ThroughputParams
+from orchestrator.domain.health.throughput import ThroughputParams
 from orchestrator.domain.verdict import NO_OOM_RECORD
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.ops import step_speed
 from orchestrator.store.published import publish_dir
 from orchestrator.store.published import published_steps as own_published_steps
 from orchestrator.store.rundir import state_dir
-from orchestrator.types import Attempt, Progress
+from orchestrator.types import Attempt, HealthKind, Progress
 
 TERMINAL = ("completed", "stopped", "gave_up")
 LOSS_WINDOW = 40          # losses shown in the status sparkline
@@ -118,7 +117,7 @@ def history_data(r: Recipe, j: Journal) -> dict:
             "output_dir": str(output_dir_of(r, kv)), "attempts": [attempt_row(a) for a in rows],
             "costs": costs_data(rows, kv),
             # every health event with its numbers (first_step, last_step, window, level, threshold, value, ...)
-            "health": j.events_of(HEALTH_KINDS), "advice": advice_of(j),
+            "health": j.events_of(tuple(HealthKind)), "advice": advice_of(j),
             "goodput": goodput_dict(goodput_of(j)),
             "sync": sync_state(r, ckpts := j.checkpoints(), time.time(), synced_steps(ckpts, published_steps(r, kv)),
                                kv.get("recipe_hash"))}
@@ -242,7 +241,7 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
         "invalid_checkpoints": [c["step"] for c in ckpts if not c["ok"]],
         "goodput": round(g.ratio, 4),
         "events": j.events(10),
-        "health": health_summary(j.events_of(HEALTH_KINDS)),
+        "health": health_summary(j.events_of(tuple(HealthKind))),
         # added for the live view
         "recipe_hash": kv.get("recipe_hash"), "output_dir": str(out), "attempts": len(attempts),
         "crashes": len([a for a in attempts if a.cls]),
@@ -328,7 +327,7 @@ def report_data(r: Recipe, j: Journal, now: float | None = None) -> dict:
                         for c in j.checkpoints()],
         "attempts": [attempt_row(a) for a in attempts],
         "goodput": st["goodput_detail"], "sync": st["sync"], "events": j.events(30), "costs": st["costs"],
-        "health": j.events_of(HEALTH_KINDS), "advice": st["advice"],
+        "health": j.events_of(tuple(HealthKind)), "advice": st["advice"],
         "speed": judged_speed(r, out / "logging.jsonl", attempts, j.checkpoints()),
     }
 

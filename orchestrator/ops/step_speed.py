@@ -2,7 +2,7 @@
 
 The trainer's own `train_speed(s/it)` is an average since its process started (ms-swift:
 elapsed / (step - start step)), so a drop late in a run barely moves it. What the detector judges
-(domain/throughput.py) is the time between step records, gathered into measurements, its median over the
+(domain/health/throughput.py) is the time between step records, gathered into measurements, its median over the
 last `sample_s` against the attempt's baseline. Here each record's time since its process started is
 rebuilt (train_speed x steps since the start step: sub-second, where it agrees with the record's
 `elapsed_time`; else `elapsed_time` itself, whole seconds, gathered over longer measurements) and the
@@ -17,7 +17,7 @@ import re
 from statistics import median
 
 from orchestrator.domain import progress
-from orchestrator.domain.throughput import ThroughputParams, ThroughputTracker
+from orchestrator.domain.health.throughput import ThroughputParams, ThroughputTracker
 
 _ELAPSED = re.compile(r"(\d+)\s*([dhms])")
 _UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}

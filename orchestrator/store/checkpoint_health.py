@@ -23,17 +23,17 @@ import threading
 import time
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from orchestrator.domain import progress
 from orchestrator.domain.checkpoint_names import CKPT_RE, step_of
+from orchestrator.domain.health.kinds import Finding
 from orchestrator.store import manifest
+from orchestrator.types import HealthKind
 
-CHECKPOINT_UNCHANGED = "checkpoint_unchanged"
-CHECKPOINT_NONFINITE = "checkpoint_nonfinite"
 CHUNK = 64 << 20
 
 # weight files per group; optimizer, scheduler, rng and args files are left out (they may be fresh while
@@ -48,17 +48,6 @@ NONFINITE_MASK: dict[str, tuple[type, int]] = {
     "F64": (np.uint64, 0x7FF0000000000000), "F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
     "BF16": (np.uint16, 0x7F80), "F8_E5M2": (np.uint8, 0x7C), "F8_E4M3": (np.uint8, 0x7F),
 }
-
-
-@dataclass(frozen=True)
-class HealthFinding:
-    """A checkpoint that is no resume point: kind is CHECKPOINT_UNCHANGED or CHECKPOINT_NONFINITE."""
-
-    path: str
-    step: int
-    kind: str
-    problems: tuple[str, ...]
-    data: dict = field(default_factory=dict)   # the journal event's numbers
 
 
 # ---- pure -------------------------------------------------------------------------------------------
@@ -188,9 +177,9 @@ class CheckpointHealth:
         self.out, self.chunk = Path(output_dir), chunk
         self.groups: dict[int, dict[str, tuple]] = {}
         self.lock = threading.Lock()
-        self.found: list[HealthFinding] = []
+        self.found: list[Finding] = []
 
-    def check(self, path: str, step: int, mani: Mapping | None = None) -> HealthFinding | None:
+    def check(self, path: str, step: int, mani: Mapping | None = None) -> Finding | None:
         """Both checks of checkpoint `path` (its manifest: given, else read). Never raises: a check that
         cannot read says so in the finding's data, not as a failure of the checkpoint."""
         mani = mani if mani is not None else manifest.read_manifest(path)
@@ -208,8 +197,8 @@ class CheckpointHealth:
                         lr = max_lr(self.out, path, prev_step, step)
                         problem = unchanged_problem(prev_step, prev, step, cur, lr)
                         if problem:
-                            finding = HealthFinding(path, step, CHECKPOINT_UNCHANGED, (problem,),
-                                                    {"step": step, "previous_step": prev_step, "max_lr": lr})
+                            finding = Finding(HealthKind.CHECKPOINT_UNCHANGED, problem, last_step=step, subject=path,
+                                              details={"step": step, "previous_step": prev_step, "max_lr": lr})
                 except (OSError, ValueError, KeyError, TypeError):
                     pass
         if finding is None:
@@ -220,9 +209,9 @@ class CheckpointHealth:
             if scan is not None and scan.bad:
                 problem = (f"checkpoint-{step}: NaN or Inf in {', '.join(scan.bad)}: training diverged before "
                            f"this save; not a resume point")
-                finding = HealthFinding(path, step, CHECKPOINT_NONFINITE, (problem,),
-                                        {"step": step, "tensors": list(scan.bad), "scanned_bytes": scan.bytes,
-                                         "seconds": round(scan.seconds, 3)})
+                finding = Finding(HealthKind.CHECKPOINT_NONFINITE, problem, last_step=step, subject=path,
+                                  details={"step": step, "tensors": list(scan.bad), "scanned_bytes": scan.bytes,
+                                           "seconds": round(scan.seconds, 3)})
         if finding is not None:
             with self.lock:
                 self.found.append(finding)
@@ -237,17 +226,17 @@ class CheckpointHealth:
                 return s, weight_groups(m.get("files", []))
         return None, None
 
-    def peek(self) -> list[HealthFinding]:
+    def peek(self) -> list[Finding]:
         """The findings not taken yet."""
         with self.lock:
             return list(self.found)
 
-    def keep(self, findings: list[HealthFinding]) -> None:
+    def keep(self, findings: list[Finding]) -> None:
         """Put back findings the loop could not act on yet (the next take() returns them first)."""
         with self.lock:
             self.found[:0] = findings
 
-    def take(self) -> list[HealthFinding]:
+    def take(self) -> list[Finding]:
         """The findings since the last call (the loop's thread)."""
         with self.lock:
             out, self.found = self.found, []

@@ -73,7 +73,7 @@ def _offline_gate(out: Path) -> Callable[[int, str], str | None]:
         if e is not None and e.path == path and e.standing not in (Standing.WRITTEN, Standing.VERIFIED):
             return standings.publish_refusal(step, path)
         found = health.check(path, step)
-        return None if found is None else found.problems[0]
+        return None if found is None else found.message
     return gate
 
 

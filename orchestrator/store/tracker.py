@@ -15,18 +15,18 @@ from pathlib import Path
 
 from orchestrator.store import checkpoint_health, checkpoints, manifest
 from orchestrator.domain import retention
+from orchestrator.domain.health.kinds import KINDS, Finding
 from orchestrator.store.checkpoints import step_of
 from orchestrator.store.standing import SetAside, Standings
 from orchestrator.host.journal import Journal
 from orchestrator.host.metrics import Metrics
 from orchestrator.config.recipe import Recipe
 from orchestrator.store.sync import InFlight
-from orchestrator.types import USABLE, Alert, CheckpointInfo, Resume, SetAsideReason, Standing
+from orchestrator.types import USABLE, Alert, CheckpointInfo, Resume, Standing
 
 
 PRUNING = ".orchestrator-pruning-"   # a checkpoint being deleted by retention
-FINDING_REASON = {checkpoint_health.CHECKPOINT_NONFINITE: SetAsideReason.NONFINITE,
-                  checkpoint_health.CHECKPOINT_UNCHANGED: SetAsideReason.UNCHANGED}
+
 
 
 class CheckpointTracker:
@@ -38,7 +38,7 @@ class CheckpointTracker:
         False (`orchestrator watch`): nothing of the run is renamed or deleted; an unhealthy checkpoint is set aside
         in standing only (never resumed from or published; `run` moves it later) and listed in `left_in_place`."""
         self.recipe, self.hash, self.out, self.act = recipe, recipe_hash, out, act
-        self.left_in_place: list[checkpoint_health.HealthFinding] = []  # act False: what a supervisor would move
+        self.left_in_place: list[Finding] = []  # act False: what a supervisor would move
         self.in_flight = in_flight or InFlight()
         self.journal, self.metrics, self.on_saved = journal, metrics, on_saved
         self.standings = standings if standings is not None else Standings(journal)
@@ -143,7 +143,7 @@ class CheckpointTracker:
             if isinstance(result, OSError):   # the manifest failed: retried, the standing waits
                 self.unhashed[path] = (step, None)
                 continue
-            if isinstance(result, checkpoint_health.HealthFinding):
+            if isinstance(result, Finding):
                 self._found(result)
                 continue
             if isinstance(result, BaseException):
@@ -151,19 +151,20 @@ class CheckpointTracker:
             self.standings.move(step, path, Standing.HEALTHY)
             self.on_saved()
 
-    def _found(self, f: checkpoint_health.HealthFinding) -> None:
+    def _found(self, f: Finding) -> None:
         """A content finding: the checkpoint is set aside (standing first, then its copies), said with its numbers."""
-        reason = FINDING_REASON[f.kind]
-        self.standings.request(SetAside(f.step, reason, 0, f.problems[0], only_step=True))
-        self.seen.pop(f.path, None)
-        self.journal.record_checkpoint(f.step, f.path, False, f.problems, None, self.hash)
-        self._verdict(f.step, False, f.problems)
+        reason, step, path = KINDS[f.kind].sets_aside, f.last_step, f.subject
+        assert reason is not None and step is not None and path is not None, f
+        self.standings.request(SetAside(step, reason, 0, f.message, only_step=True))
+        self.seen.pop(path, None)
+        self.journal.record_checkpoint(step, path, False, (f.message,), None, self.hash)
+        self._verdict(step, False, (f.message,))
         self.metrics.checkpoint_invalid()
         if self.act:
-            self.journal.event(f.kind, f"{f.problems[0]}; set aside as {Path(f.path).name}.{reason.tag}", **f.data)
+            self.journal.event(f.kind, f"{f.message}; set aside as {Path(path).name}.{reason.tag}", **f.details)
         else:
             self.left_in_place.append(f)
-            self.journal.event(f.kind, f"{f.problems[0]}; left in place (watch mode)", **f.data)
+            self.journal.event(f.kind, f"{f.message}; left in place (watch mode)", **f.details)
         self.metrics.health_event(f.kind)
 
     def set_aside_local(self, req: SetAside, busy: frozenset[str] = frozenset()) -> bool:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from recipes import merge, write_recipe
-from orchestrator.domain.health import HEALTH_KINDS
+from orchestrator.types import HealthKind
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.store.published import publish_dir
 from orchestrator.config.recipe import load, recipe_hash
@@ -70,7 +70,7 @@ def published_at(recipe_path: Path, *overrides: str) -> Path:
 
 def health_events(output_dir: Path) -> list[dict]:
     """The run-health events of a run."""
-    return [e for e in events(output_dir) if e["kind"] in HEALTH_KINDS]
+    return [e for e in events(output_dir) if e["kind"] in tuple(HealthKind)]
 
 
 def supervise(recipe_path: Path, *overrides: str, healthy: bool = True):

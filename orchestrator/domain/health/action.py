@@ -1,14 +1,21 @@
-"""What to do about a health finding (issue 23, items 1 and 2). Pure functions of data; table-tested.
+"""What to do about a health finding: the one place that maps findings to actions. Pure; table-tested.
 
-  spikes, progress_unreadable      warn: a journal event, a metric, no action
-  loss_divergence, loss_limit,     health.on_divergence: "stop" (graceful stop, checkpoints kept, exit 3 with
-  grad_norm_limit                  the reason), "rollback" (quarantine the checkpoints saved from the onset on,
+`act(finding, situation)` dispatches on what kinds.KINDS declares for the finding's kind (`Effects.act`):
+
+  warn (spikes, skipped_steps,     a journal event, a metric, no action
+  progress_unreadable, recovered)
+  on_divergence (loss_divergence,  health.on_divergence: "stop" (graceful stop, checkpoints kept, exit 3 with
+  loss_limit, grad_norm_limit)     the reason), "rollback" (quarantine the checkpoints saved from the onset on,
                                    relaunch from the newest verified one before it) or "warn". The same symptom
                                    again within a rolled-back step range stops: the data order is deterministic,
                                    so a data-caused divergence recurs.
-  resume_divergence                quarantine the checkpoint the attempt resumed from (and what it saved since),
+  resume (resume_divergence)       quarantine the checkpoint the attempt resumed from (and what it saved since),
                                    relaunch once from the verified checkpoint before it; if that diverges too, the
                                    resume path itself is broken: stop.
+  on_slowdown (throughput_drop)    health.on_slowdown: "restart" at most once per RESTART_MIN_GAP_S, else warn.
+  give_up (resumed_at_wrong_step)  stop and give up: the loop's judge decides it (loop/running.py), not a pass's
+                                   health findings.
+  set_aside (checkpoint_*)         the tracker moves the checkpoint out of the namespace (store/tracker.py).
 """
 from __future__ import annotations
 
@@ -16,15 +23,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from orchestrator.domain.health import DIVERGENCE_KINDS, RESUME_DIVERGENCE, Finding
+from orchestrator.domain.health.kinds import DIVERGENCE_KINDS, KINDS, Finding
+from orchestrator.types import HealthKind
 
-Act = Literal["warn", "stop", "rollback"]
+Act = Literal["warn", "stop", "rollback", "restart"]
+RESTART_MIN_GAP_S = 3600.0   # on_slowdown = "restart": at most one restart per hour
 
 
 @dataclass(frozen=True)
 class HealthAction:
     """What the loop does about one finding. "rollback": every checkpoint at quarantine_from or later stops
-    being a resume point, then a graceful stop and a relaunch from checkpoint relaunch_from."""
+    being a resume point, then a graceful stop and a relaunch from checkpoint relaunch_from. "restart": a
+    graceful stop and a relaunch from the newest verified checkpoint."""
 
     action: Act
     reason: str
@@ -104,7 +114,7 @@ def decide_resume(finding: Finding, resumed_from: int, verified_steps: Iterable[
                   retrying: bool) -> HealthAction:
     """The action for a resume_divergence of an attempt resumed from checkpoint `resumed_from`. `retrying`: that
     attempt is itself the relaunch from the checkpoint before a suspect one."""
-    what = f"{RESUME_DIVERGENCE}: {finding.message}"
+    what = f"{HealthKind.RESUME_DIVERGENCE}: {finding.message}"
     if retrying:
         return HealthAction("stop", f"{what}; the relaunch from checkpoint-{resumed_from}, before the suspect "
                                     "checkpoint, diverged too: the resume path itself is broken, not the "
@@ -116,3 +126,43 @@ def decide_resume(finding: Finding, resumed_from: int, verified_steps: Iterable[
     return HealthAction("rollback", f"{what}; checkpoint-{resumed_from} is quarantined as suspect, relaunching "
                                     f"once from checkpoint-{target}",
                         relaunch_from=target, quarantine_from=resumed_from)
+
+
+def slowdown_action(on_slowdown: str, now: float, last_restart_at: float | None,
+                    min_gap_s: float = RESTART_MIN_GAP_S) -> HealthAction:
+    """The action at a `throughput_drop` under health.on_slowdown (the schema allows "warn" and "restart"):
+    "restart" at most once per `min_gap_s`; otherwise, and for "warn", warn. The reason says why."""
+    if on_slowdown != "restart":
+        return HealthAction("warn", 'health.on_slowdown = "warn"')
+    if last_restart_at is not None and now - last_restart_at < min_gap_s:
+        return HealthAction("warn", f"restarted for a slowdown {now - last_restart_at:.0f} s ago; at most one "
+                                    f"restart per {min_gap_s:.0f} s")
+    return HealthAction("restart", "health.on_slowdown = \"restart\"")
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What deciding a pass's findings needs besides them: the recipe's choices, the verified checkpoints, the
+    run's earlier rollbacks, the attempt's resume point, and the clock for on_slowdown."""
+
+    on_divergence: str = "stop"
+    on_slowdown: str = "warn"
+    verified_steps: Sequence[int] = ()
+    rollbacks: Sequence[Rollback] = ()
+    resumed_from: int | None = None        # the checkpoint step the attempt resumed from (None: from scratch)
+    retrying_resume: bool = False          # the attempt is the relaunch before a suspect resume checkpoint
+    now: float = 0.0
+    last_restart_at: float | None = None
+
+
+def act(finding: Finding, situation: Situation) -> HealthAction:
+    """The action for any finding: what KINDS declares for its kind, decided under `situation`."""
+    s = situation
+    match KINDS[HealthKind(finding.kind)].act:
+        case "on_divergence":
+            return decide(finding, s.on_divergence, s.verified_steps, s.rollbacks)
+        case "resume" if s.resumed_from is not None:
+            return decide_resume(finding, s.resumed_from, s.verified_steps, s.retrying_resume)
+        case "on_slowdown":
+            return slowdown_action(s.on_slowdown, s.now, s.last_restart_at)
+    return HealthAction("warn", finding.message)

@@ -7,34 +7,47 @@
     watch.alive_at                             # liveness from progress lines, parsed or not
     watch.loss_level                           # for orchestrator_loss_level
 
-Each finding comes back once; health_action.decide says what to do about it. Pure: the caller gives the clock.
+The detectors are DETECTORS, in the order their findings come; each finding comes back once and
+action.act says what to do about it. Pure: the caller gives the clock. Step times (throughput.py) and
+checkpoint content (store/checkpoint_health.py) are fed elsewhere: they read the clock and the saved bytes.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health import SKIPPED_STEPS, Finding, LossHealth
-from orchestrator.domain.health_resume import ResumeCheck
-from orchestrator.domain.progress_unreadable import UnreadableTracker
-from orchestrator.domain.skipped_steps import SkippedSteps
+from orchestrator.domain.health import loss, progress_unreadable, resume, skipped_steps
+from orchestrator.domain.health.detector import Check, Detector, Snapshot, Start
+from orchestrator.domain.health.kinds import Finding
 from orchestrator.types import Progress
+
+# Every detector over the step records and log lines. A new one: its module (a DETECTOR) and a line here.
+DETECTORS: tuple[Detector, ...] = (
+    loss.DETECTOR,
+    skipped_steps.DETECTOR,
+    resume.DETECTOR,
+    progress_unreadable.DETECTOR,
+)
 
 
 class HealthWatch:
-    """A run's health: the loss and grad-norm detectors over its step records, the resumed attempt's check
-    against what was logged before, the progress lines the parser did not understand, and (`fp16`: the run has
-    a loss scaler) the updates it skipped."""
+    """A run's health: every detector of `detectors` over its step records and log lines, each made afresh for
+    each attempt from where it resumes (`fp16`: the run has a loss scaler)."""
 
-    def __init__(self, cfg: HealthSection, resume_loss_tolerance: float = 0.05, fp16: bool = False) -> None:
+    def __init__(self, cfg: HealthSection, resume_loss_tolerance: float = 0.05, fp16: bool = False,
+                 detectors: Sequence[Detector] = DETECTORS) -> None:
         self.cfg, self.resume_loss_tolerance, self.fp16 = cfg, resume_loss_tolerance, fp16
-        self.skips = SkippedSteps(fp16, cfg.max_skipped_steps)
-        self.losses = LossHealth(cfg)
+        self.detectors = tuple(detectors)
         self.logged: dict[int, Progress] = {}   # step -> the run's record of it (the latest attempt's)
-        self.resume: ResumeCheck | None = None
-        self.lines = UnreadableTracker(cfg.unreadable_lines)
         self.last_step: int | None = None
+        self.checks: dict[str, Check] = {}
+        self._start(Start(cfg, fp16=fp16, resume_loss_tolerance=resume_loss_tolerance))
+
+    def _start(self, start: Start) -> None:
+        self.checks = {d.name: d.fn(start) for d in self.detectors}
+        self.on_step = [self.checks[d.name] for d in self.detectors if d.requires == "step"]
+        self.on_line = [self.checks[d.name] for d in self.detectors if d.requires == "line"]
 
     def attempt(self, resume_step: int | None, history: Iterable[Progress] | None = None,
                 weights_only: bool = False, suspect_from: int | None = None) -> None:
@@ -51,12 +64,8 @@ class HealthWatch:
                    and (suspect_from is None or s < suspect_from)}
         kept = [self.logged[s] for s in sorted(self.logged) if resume_step is not None and s <= resume_step]
         self.logged = {p.step: p for p in kept}
-        self.losses.replay(kept)
-        self.resume = (ResumeCheck(resume_step, earlier, self.cfg, self.resume_loss_tolerance, weights_only)
-                       if resume_step is not None else None)
-        self.lines = UnreadableTracker(self.cfg.unreadable_lines)
+        self._start(Start(self.cfg, resume_step, kept, earlier, weights_only, self.fp16, self.resume_loss_tolerance))
         self.last_step = resume_step
-        self.skips = SkippedSteps(self.fp16, self.cfg.max_skipped_steps, resume_step or 0)
 
     def observe(self, p: Progress) -> list[Finding]:
         """The new findings of one step record; a step at or before the last one seen is a repeat (stdout and
@@ -65,37 +74,22 @@ class HealthWatch:
             return []
         self.last_step = p.step
         self.logged[p.step] = p
-        found = self.losses.observe(p) + self._skipped(p)
-        if self.resume is not None:
-            f = self.resume.observe(p)
-            found += [f] if f is not None else []
-        return found
-
-    def _skipped(self, p: Progress) -> list[Finding]:
-        """A `skipped_steps` warning where a run of skipped updates starts (the metrics count every one; the NaN
-        andon of a run that persists is the attempt's, loop/attempt.py)."""
-        check = self.skips.observe(p)
-        if not check.skipped or check.run != check.skipped or check.andon:
-            return []
-        why = (f"the trainer reports {check.skipped} skipped" if p.skipped else
-               f"grad norm {p.grad_norm} with a finite loss {p.loss} in an fp16 run")
-        return [Finding(SKIPPED_STEPS, f"step {p.step}: an overflow-skipped update ({why}): the loss scaler skips "
-                                       "the update and lowers its scale; NaN only after more than "
-                                       f"health.max_skipped_steps ({self.cfg.max_skipped_steps}) in a row",
-                        p.step, p.step, value=p.grad_norm if p.grad_norm is not None else None,
-                        details={"skipped": check.skipped, "skipped_total": self.skips.total})]
+        snap = Snapshot(record=p)
+        return [f for check in self.on_step for f in check(snap)]
 
     def line(self, line: str, now: float, parsed: Progress | None = None) -> list[Finding]:
         """One log line and what the progress parser got from it (None: no step record)."""
-        f = self.lines.feed(line, now, parsed)
-        return [f] if f is not None else []
+        snap = Snapshot(line=line, parsed=parsed, now=now)
+        return [f for check in self.on_line for f in check(snap)]
 
     @property
     def alive_at(self) -> float | None:
         """When the last line that looks like training progress came, understood or not (liveness)."""
-        return self.lines.alive_at
+        lines = self.checks.get(progress_unreadable.DETECTOR.name)
+        return lines.alive_at if isinstance(lines, progress_unreadable.UnreadableTracker) else None
 
     @property
     def loss_level(self) -> float | None:
         """The loss level now: the median of the last health.divergence_window logged losses."""
-        return self.losses.loss.level
+        losses = self.checks.get(loss.DETECTOR.name)
+        return losses.loss.level if isinstance(losses, loss.LossHealth) else None

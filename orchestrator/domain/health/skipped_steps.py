@@ -18,7 +18,9 @@ import math
 from dataclasses import dataclass
 
 from orchestrator.config.schema import Recipe
-from orchestrator.types import Progress
+from orchestrator.domain.health.detector import Check, Detector, Snapshot, Start
+from orchestrator.domain.health.kinds import Finding
+from orchestrator.types import HealthKind, Progress
 
 _TRUE = ("true", "1", "yes")
 
@@ -105,3 +107,29 @@ class SkippedSteps:
                              f"health.max_skipped_steps {self.max_in_row}): the loss scale found no level at "
                              "which the gradients are finite, the run does not train")
         return StepCheck(False, skipped, self.run)
+
+
+def _start(start: Start) -> Check:
+    """The `skipped_steps` warning of one attempt: a finding where a run of skipped updates starts (the metrics
+    count every one; the NaN andon of a run that persists is the attempt's, loop/attempt.py)."""
+    skips, limit = SkippedSteps(start.fp16, start.cfg.max_skipped_steps, start.resume_step or 0), \
+        start.cfg.max_skipped_steps
+
+    def observe(snap: Snapshot) -> list[Finding]:
+        p = snap.record
+        if p is None:
+            return []
+        check = skips.observe(p)
+        if not check.skipped or check.run != check.skipped or check.andon:
+            return []
+        why = (f"the trainer reports {check.skipped} skipped" if p.skipped else
+               f"grad norm {p.grad_norm} with a finite loss {p.loss} in an fp16 run")
+        return [Finding(HealthKind.SKIPPED_STEPS, f"step {p.step}: an overflow-skipped update ({why}): the loss "
+                                                  "scaler skips the update and lowers its scale; NaN only after "
+                                                  f"more than health.max_skipped_steps ({limit}) in a row",
+                        p.step, p.step, value=p.grad_norm if p.grad_norm is not None else None,
+                        details={"skipped": check.skipped, "skipped_total": skips.total})]
+    return observe
+
+
+DETECTOR = Detector("skipped_steps", "step", _start)

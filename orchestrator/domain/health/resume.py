@@ -22,9 +22,11 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+from orchestrator.domain.health.detector import Check, Detector, Snapshot, Start
+from orchestrator.domain.health.kinds import Finding
 from orchestrator.config.schema import HealthSection
-from orchestrator.domain.health import RESUME_DIVERGENCE, Finding, divergence_threshold
-from orchestrator.types import Progress
+from orchestrator.domain.health.loss import divergence_threshold
+from orchestrator.types import HealthKind, Progress
 
 MIN_WINDOW = 3   # fewer losses on either side of the resume point say nothing about a level
 EDGE = 3         # logged losses on each side that make the level at the resume point (a median of 3 drops one
@@ -106,7 +108,7 @@ class ResumeCheck:
             self.compared += 1
             if redone_mismatch(p.loss, earlier, self.tolerance):
                 self.done = True
-                return Finding(RESUME_DIVERGENCE,
+                return Finding(HealthKind.RESUME_DIVERGENCE,
                                f"resumed from step {self.resume_step}: the redone step {p.step} logged loss "
                                f"{p.loss:.6g}, the earlier attempt {earlier:.6g} (tolerance "
                                f"{self.tolerance:.0%}, checkpoint.resume_loss_tolerance)",
@@ -130,7 +132,7 @@ class ResumeCheck:
             if edge is not None:
                 self.window_checked = True
                 level, after_level, threshold = edge
-                return Finding(RESUME_DIVERGENCE,
+                return Finding(HealthKind.RESUME_DIVERGENCE,
                                f"resumed from step {self.resume_step}: the median loss of its first {EDGE} logged "
                                f"steps is {after_level:.4g}, the level at the resume point {level:.4g} (threshold "
                                f"{threshold:.4g}: health.resume_level_tolerance "
@@ -144,9 +146,24 @@ class ResumeCheck:
         if jump is None:
             return None
         level_before, level_after, threshold = jump
-        return Finding(RESUME_DIVERGENCE,
+        return Finding(HealthKind.RESUME_DIVERGENCE,
                        f"resumed from step {self.resume_step}: the median loss of its first {n} logged steps is "
                        f"{level_after:.4g}, of the {n} before the resume point {level_before:.4g} (threshold "
                        f"{threshold:.4g}, health.resume_level_tolerance {self.cfg.resume_level_tolerance:g})",
                        self.resume_step + 1, p.step, n, level_before, threshold, level_after,
                        {"resume_step": self.resume_step, "check": "first_window"})
+
+
+def _start(start: Start) -> Check:
+    """The resume check of a resumed attempt; an attempt from scratch has nothing to compare."""
+    if start.resume_step is None:
+        return lambda snap: []
+    check = ResumeCheck(start.resume_step, start.earlier, start.cfg, start.resume_loss_tolerance, start.weights_only)
+
+    def observe(snap: Snapshot) -> list[Finding]:
+        f = None if snap.record is None else check.observe(snap.record)
+        return [] if f is None else [f]
+    return observe
+
+
+DETECTOR = Detector("resume", "step", _start)

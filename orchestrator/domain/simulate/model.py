@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.domain.interval import Evidence, choose
 from orchestrator.domain.policy import History, decide, hang_timeout, next_history
-from orchestrator.domain.slow_schedule import SlowSchedule
+from orchestrator.domain.simulate.slow_schedule import SlowSchedule
 from orchestrator.config.schema import SupervisorSection
 from orchestrator.types import Action, Crash, CrashClass, Phase
 

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from orchestrator.config.schema import SupervisorSection
-from orchestrator.domain.simulate import KINDS, LOOPS, TRAINING_CLASSES, Result, Scenario, simulate
+from orchestrator.domain.simulate.model import KINDS, LOOPS, TRAINING_CLASSES, Result, Scenario, simulate
 
 
 @dataclass(frozen=True)

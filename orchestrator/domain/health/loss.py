@@ -2,8 +2,8 @@
 
 Pure: no clock, no files. The loop feeds a HealthWatch with each new step record (HealthWatch.observe) and each
 log line the progress parser did not turn into one (HealthWatch.line); each returns the new findings, each
-condition reported once. What to do about a finding is health_action.py's; the resume checks are
-health_resume.py's, the "progress but not understood" check progress_unreadable.py's.
+condition reported once. What to do about a finding is action.py's; the resume checks are
+resume.py's, the "progress but not understood" check progress_unreadable.py's.
 
 Levels are robust: the median of a window of logged steps (and its MAD for spikes), so one noisy step, an
 eval, a save pause or a short warm-up moves nothing. Windows count logged steps, not steps.
@@ -14,54 +14,12 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from orchestrator.config.schema import HealthSection
-from orchestrator.types import Progress
-
-# Every journal event kind of run health (README "Run health"). history --json and the HTML report show these.
-LOSS_SPIKE = "loss_spike"
-GRAD_NORM_SPIKE = "grad_norm_spike"
-LOSS_DIVERGENCE = "loss_divergence"
-LOSS_LIMIT = "loss_limit"
-GRAD_NORM_LIMIT = "grad_norm_limit"
-RESUME_DIVERGENCE = "resume_divergence"
-PROGRESS_UNREADABLE = "progress_unreadable"
-THROUGHPUT_DROP = "throughput_drop"
-THROUGHPUT_RECOVERED = "throughput_recovered"
-CHECKPOINT_UNCHANGED = "checkpoint_unchanged"
-CHECKPOINT_NONFINITE = "checkpoint_nonfinite"
-SKIPPED_STEPS = "skipped_steps"   # fp16: an update the loss scaler skipped (a warning; NaN only when it persists)
-HEALTH_KINDS: tuple[str, ...] = (LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE, LOSS_LIMIT, GRAD_NORM_LIMIT,
-                                 RESUME_DIVERGENCE, PROGRESS_UNREADABLE, THROUGHPUT_DROP, THROUGHPUT_RECOVERED,
-                                 CHECKPOINT_UNCHANGED, CHECKPOINT_NONFINITE, SKIPPED_STEPS)
-# The findings health.on_divergence acts on; spikes only warn.
-DIVERGENCE_KINDS = frozenset({LOSS_DIVERGENCE, LOSS_LIMIT, GRAD_NORM_LIMIT})
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One health condition, found once: what, over which steps, and the numbers that decided it."""
-
-    kind: str
-    message: str
-    first_step: int | None = None    # where the condition starts (its onset), when it has steps
-    last_step: int | None = None     # the step it was found at
-    window: int | None = None        # logged steps the level is taken over
-    level: float | None = None       # the robust level the value is compared with
-    threshold: float | None = None   # the value beyond which it is a finding
-    value: float | None = None       # what was seen
-    details: dict = field(default_factory=dict)  # more numbers (a resume's before/after, a sample line)
-
-    def record(self) -> dict:
-        """The journal event's data: the numbers, rounded for people, without the unset ones."""
-        out: dict = {k: v for k, v in (("first_step", self.first_step), ("last_step", self.last_step),
-                                       ("window", self.window)) if v is not None}
-        for k, v in (("level", self.level), ("threshold", self.threshold), ("value", self.value)):
-            if v is not None:
-                out[k] = round(v, 6) if math.isfinite(v) else str(v)
-        return out | self.details
-
+from orchestrator.domain.health.detector import Detector, Snapshot, Start
+from orchestrator.domain.health.kinds import DIVERGENCE_KINDS, Finding
+from orchestrator.types import HealthKind, Progress
 
 def robust_level(values: Sequence[float]) -> tuple[float, float]:
     """The median of `values` and their median absolute deviation from it."""
@@ -148,7 +106,7 @@ class LossHealth:
         self.over = _Divergence()
         self.grad_at_best: float | None = None
         self.latches = {k: _Latch(max(c.spike_window, c.divergence_window))
-                        for k in (LOSS_SPIKE, GRAD_NORM_SPIKE, LOSS_DIVERGENCE, LOSS_LIMIT, GRAD_NORM_LIMIT)}
+                        for k in (HealthKind.LOSS_SPIKE, HealthKind.GRAD_NORM_SPIKE, HealthKind.LOSS_DIVERGENCE, HealthKind.LOSS_LIMIT, HealthKind.GRAD_NORM_LIMIT)}
 
     def replay(self, records: Iterable[Progress]) -> None:
         """Start over from `records` (the run up to a resume point) without reporting what they show. A warning
@@ -162,6 +120,10 @@ class LossHealth:
         for kind in DIVERGENCE_KINDS if c.on_divergence != "warn" else ():
             self.latches[kind] = _Latch(max(c.spike_window, c.divergence_window))
 
+    def __call__(self, snap: Snapshot) -> list[Finding]:
+        """The findings of a snapshot's step record (the "step" detector's check)."""
+        return [] if snap.record is None else self.observe(snap.record)
+
     def observe(self, p: Progress) -> list[Finding]:
         """The findings one new step record brings; a step at or before the last one observed is ignored
         (stdout and logging.jsonl report each step once each)."""
@@ -172,13 +134,13 @@ class LossHealth:
         c = self.cfg
         if _finite(p.loss):
             assert p.loss is not None
-            found += self._limit(LOSS_LIMIT, "loss", p.step, p.loss, c.loss_max)
-            found += self._spike(LOSS_SPIKE, "loss", self.spike_loss, p.step, p.loss, c.spike_min_ratio)
+            found += self._limit(HealthKind.LOSS_LIMIT, "loss", p.step, p.loss, c.loss_max)
+            found += self._spike(HealthKind.LOSS_SPIKE, "loss", self.spike_loss, p.step, p.loss, c.spike_min_ratio)
             self.loss.add(p.step, p.loss)
         if _finite(p.grad_norm):
             assert p.grad_norm is not None
-            found += self._limit(GRAD_NORM_LIMIT, "grad norm", p.step, p.grad_norm, c.grad_norm_max)
-            found += self._spike(GRAD_NORM_SPIKE, "grad norm", self.spike_grad, p.step, p.grad_norm,
+            found += self._limit(HealthKind.GRAD_NORM_LIMIT, "grad norm", p.step, p.grad_norm, c.grad_norm_max)
+            found += self._spike(HealthKind.GRAD_NORM_SPIKE, "grad norm", self.spike_grad, p.step, p.grad_norm,
                                  c.grad_norm_spike_min_ratio)
             self.grad.add(p.step, p.grad_norm)
         if _finite(p.loss):
@@ -187,14 +149,14 @@ class LossHealth:
             found += self._divergence(p.step)
         return found
 
-    def _limit(self, kind: str, what: str, step: int, value: float, limit: float | None) -> list[Finding]:
+    def _limit(self, kind: HealthKind, what: str, step: int, value: float, limit: float | None) -> list[Finding]:
         if not self.latches[kind].update(limit is not None and value > limit):
             return []
         return [Finding(kind, f"{what} {value:.4g} at step {step} is over the limit {limit:g} "
-                              f"(health.{'loss_max' if kind == LOSS_LIMIT else 'grad_norm_max'})",
+                              f"(health.{'loss_max' if kind == HealthKind.LOSS_LIMIT else 'grad_norm_max'})",
                         step, step, None, None, limit, value)]
 
-    def _spike(self, kind: str, what: str, history: deque[float], step: int, value: float,
+    def _spike(self, kind: HealthKind, what: str, history: deque[float], step: int, value: float,
                min_ratio: float) -> list[Finding]:
         found: list[Finding] = []
         if len(history) == history.maxlen:
@@ -223,14 +185,24 @@ class LossHealth:
         else:
             self.over = _Divergence()
         sustained = over and self.over.count >= c.divergence_window
-        if not self.latches[LOSS_DIVERGENCE].update(sustained) or self.over.since is None:
+        if not self.latches[HealthKind.LOSS_DIVERGENCE].update(sustained) or self.over.since is None:
             return []
         why = (f"over {threshold:.4g} (best {loss.best:.4g} + max({c.divergence_tolerance:g} x best, "
                f"{c.divergence_min_rise:g}))" if loss.level > threshold else
                f"over {half:.4g} while the grad-norm level rose from {ref:.4g} to {grad.level:.4g}")
-        return [Finding(LOSS_DIVERGENCE, f"the loss level (median of {c.divergence_window} logged steps) is "
+        return [Finding(HealthKind.LOSS_DIVERGENCE, f"the loss level (median of {c.divergence_window} logged steps) is "
                                          f"{loss.level:.4g}, {why}, for {self.over.count} logged steps since step "
                                          f"{self.over.since}", self.over.since, step, c.divergence_window,
                         loss.best, threshold if loss.level > threshold else half, loss.level,
                         {"grad_norm_level": round(grad.level, 6), "grad_norm_at_best": round(ref, 6)}
                         if grad_up and grad.level is not None and ref is not None else {})]
+
+
+def _start(start: Start) -> LossHealth:
+    """A loss check for one attempt: it starts over from the records up to the resume point (replay)."""
+    check = LossHealth(start.cfg)
+    check.replay(start.kept)
+    return check
+
+
+DETECTOR = Detector("loss", "step", _start)

@@ -22,8 +22,8 @@ from typing import Literal
 
 from orchestrator.config.schema import SupervisorSection
 from orchestrator.domain.interval import D2H_BYTES_PER_S, DEFAULT_WRITE_BYTES_PER_S, save_seconds
-from orchestrator.domain.simulate import FIELD, HARSH, HOUR, LOOPS, TRAINING_CLASSES, Scenario, simulate
-from orchestrator.domain.simulate_stats import Summary, compare
+from orchestrator.domain.simulate.model import FIELD, HARSH, HOUR, LOOPS, TRAINING_CLASSES, Scenario, simulate
+from orchestrator.domain.simulate.stats import Summary, compare
 from orchestrator.types import GIB
 
 MIXES = {"field": FIELD, "harsh": HARSH}

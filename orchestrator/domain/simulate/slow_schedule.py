@@ -7,7 +7,7 @@ own (seed and hour), so both loops meet the same slow hours.
 
 What each loop does about it:
   plain          nothing notices: it trains on at that speed.
-  orchestrator   throughput health (domain/throughput.py) notices a speed under 1/slowdown_ratio of the
+  orchestrator   throughput health (domain/health/throughput.py) notices a speed under 1/slowdown_ratio of the
                  baseline `detect_s` after it began (slowdown_window_s plus its measuring window), no sooner
                  than `baseline_steps` into an attempt. on_slowdown = "warn": trains on like the plain loop
                  (the time is charged, and the operator told). "restart": a graceful stop at the next save

@@ -22,7 +22,7 @@ too slowly to show a drop and is not used here.
                   so a run at the threshold does not flap) -> `throughput_recovered` (once).
 
 The tracker is fed step records and returns each transition exactly once; the loop journals it, takes
-the machine's evidence (host/slowdown_evidence.py) and applies `slowdown_action`.
+the machine's evidence (host/slowdown_evidence.py) and applies action.slowdown_action.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from orchestrator.domain.health import THROUGHPUT_DROP, THROUGHPUT_RECOVERED
+from orchestrator.domain.health.kinds import Finding
+from orchestrator.types import HealthKind
 
-ON_SLOWDOWN = ("warn", "restart")
-RESTART_MIN_GAP_S = 3600.0   # on_slowdown = "restart": at most one restart per hour
+
 
 
 @dataclass(frozen=True)
@@ -59,28 +59,17 @@ class ThroughputParams:
         return self.recover_ratio if self.recover_ratio is not None else 1.0 + (self.slowdown_ratio - 1.0) / 2
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One transition: kind is THROUGHPUT_DROP or THROUGHPUT_RECOVERED; the numbers for the journal."""
-
-    kind: str
-    at: float                 # the time of the record that decided it (the caller's clock)
-    step: int
-    ratio: float              # current / baseline
-    current_s: float          # median seconds per step over the last sample_s
-    baseline_s: float
-    window_s: float           # how long the ratio had been beyond (drop) or the slow spell lasted (recovered)
-    since: float              # when the slow spell began (the caller's clock)
-
-    def data(self) -> dict:
-        """The journal event's numbers."""
-        return {"step": self.step, "ratio": round(self.ratio, 3), "current_s": round(self.current_s, 6),
-                "baseline_s": round(self.baseline_s, 6), "window_s": round(self.window_s, 1)}
-
-    def message(self) -> str:
-        what = "slower than" if self.kind == THROUGHPUT_DROP else "back to"
-        return (f"step {self.step}: {self.current_s:.3g} s/step, {self.ratio:.2f}x the baseline "
-                f"{self.baseline_s:.3g} s/step ({what} baseline for {self.window_s:.0f} s)")
+def transition(kind: HealthKind, at: float, step: int, ratio: float, current_s: float, baseline_s: float,
+               window_s: float, since: float) -> Finding:
+    """One transition as a Finding: `at` the time of the record that decided it, `since` when the slow spell
+    began (the caller's clock); `window_s` how long the ratio had been beyond (drop) or the spell lasted
+    (recovered). Its numbers are the journal event's."""
+    what = "slower than" if kind == HealthKind.THROUGHPUT_DROP else "back to"
+    return Finding(kind, f"step {step}: {current_s:.3g} s/step, {ratio:.2f}x the baseline {baseline_s:.3g} s/step "
+                         f"({what} baseline for {window_s:.0f} s)",
+                   details={"step": step, "ratio": round(ratio, 3), "current_s": round(current_s, 6),
+                            "baseline_s": round(baseline_s, 6), "window_s": round(window_s, 1)},
+                   at=at, since=since)
 
 
 @dataclass
@@ -149,19 +138,22 @@ class ThroughputTracker:
                 self.slow_since = at
             if at - self.slow_since < p.slowdown_window_s:
                 return []
-            self.dropped = Finding(THROUGHPUT_DROP, at, step, ratio, current, self.baseline_s,
-                                   at - self.slow_since, self.slow_since)
+            self.dropped = transition(HealthKind.THROUGHPUT_DROP, at, step, ratio, current, self.baseline_s,
+                                      at - self.slow_since, self.slow_since)
             return [self.dropped]
         if ratio > p.recover_at:
             return []
         since = self.dropped.since
+        assert since is not None
         self.dropped, self.slow_since = None, None
-        return [Finding(THROUGHPUT_RECOVERED, at, step, ratio, current, self.baseline_s, at - since, since)]
+        return [transition(HealthKind.THROUGHPUT_RECOVERED, at, step, ratio, current, self.baseline_s, at - since,
+                           since)]
 
     def open_spell(self, end: float) -> tuple[float, float] | None:
         """The slow spell still open at `end` (an attempt's end): (since, end) for a goodput span of kind
         "slow"; None when none is open. A recovered spell's span is (finding.since, finding.at)."""
-        return None if self.dropped is None else (self.dropped.since, max(end, self.dropped.since))
+        since = None if self.dropped is None else self.dropped.since
+        return None if since is None else (since, max(end, since))
 
     def close_spell(self, end: float) -> tuple[float, float] | None:
         """The slow spell still open at `end` (as open_spell), now closed: an attempt's end records it once."""
@@ -175,17 +167,3 @@ class ThroughputTracker:
         if self.baseline_s is None or len(self.gaps) < self.params.min_gaps:
             return None
         return median(g for _, g in self.gaps) / self.baseline_s
-
-
-def slowdown_action(on_slowdown: str, now: float, last_restart_at: float | None,
-                    min_gap_s: float = RESTART_MIN_GAP_S) -> tuple[str, str]:
-    """What to do at a `throughput_drop`: ("warn" | "restart", why). "restart" (a graceful stop and a
-    relaunch from a verified checkpoint) at most once per `min_gap_s`; otherwise, and for "warn", warn."""
-    if on_slowdown not in ON_SLOWDOWN:
-        raise ValueError(f"health.on_slowdown = {on_slowdown!r}: expected one of {', '.join(ON_SLOWDOWN)}")
-    if on_slowdown == "warn":
-        return "warn", "health.on_slowdown = \"warn\""
-    if last_restart_at is not None and now - last_restart_at < min_gap_s:
-        return "warn", (f"restarted for a slowdown {now - last_restart_at:.0f} s ago; at most one restart "
-                        f"per {min_gap_s:.0f} s")
-    return "restart", "health.on_slowdown = \"restart\""

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.domain.health import PROGRESS_UNREADABLE, Finding
-from orchestrator.types import Progress
+from orchestrator.domain.health.detector import Detector, Snapshot
+from orchestrator.domain.health.kinds import Finding
+from orchestrator.types import HealthKind, Progress
 
 # A counter: "step 10", "iteration: 10", "global_step/max_steps': '10/40'", "it 10", "epoch 0.5", "10/40".
 _COUNTER = re.compile(r"(?i)\b(?:global_step|step|steps|iter|iteration|it|epoch)\b\W{0,4}\d|\b\d+\s*/\s*\d+\b")
@@ -42,6 +43,11 @@ class UnreadableTracker:
         self.total = 0                       # all of this attempt's
         self.reported = False
 
+    def __call__(self, snap: Snapshot) -> list[Finding]:
+        """The "line" detector's check: feed() on the snapshot's line."""
+        f = None if snap.line is None else self.feed(snap.line, snap.now, snap.parsed)
+        return [] if f is None else [f]
+
     def feed(self, line: str, now: float, parsed: Progress | None = None) -> Finding | None:
         """One log line and what the parser got from it; returns the finding the first time the run of unreadable
         lines reaches min_lines (once per attempt)."""
@@ -57,7 +63,10 @@ class UnreadableTracker:
             return None
         self.reported = True
         sample = line.strip()[:SAMPLE_CHARS]
-        return Finding(PROGRESS_UNREADABLE, f"{self.unreadable} log lines in a row look like training progress (a "
+        return Finding(HealthKind.PROGRESS_UNREADABLE, f"{self.unreadable} log lines in a row look like training progress (a "
                                             f"step counter and a loss) but yield no step record; they count as "
                                             f"liveness. Sample: {sample}",
                        details={"sample": sample, "lines": self.unreadable})
+
+
+DETECTOR = Detector("progress_unreadable", "line", lambda start: UnreadableTracker(start.cfg.unreadable_lines))
