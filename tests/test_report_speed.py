@@ -14,7 +14,7 @@ from html_page import Page
 from supervised import fake_recipe
 
 from orchestrator.config.recipe import load
-from orchestrator.domain.throughput import ThroughputParams, ThroughputTracker
+from orchestrator.domain.health.throughput import ThroughputParams, ThroughputTracker
 from orchestrator.host.journal import Journal, journal_path
 from orchestrator.ops import report, step_speed
 from orchestrator.ops.html_report import render, throughput_chart
