@@ -193,8 +193,6 @@ class Observer:
         self._echo_progress(a, now, mono)
         disk_full = self.keep_space(a) if self.scan() else None
         self.ticker.housekeeping()
-        # a content finding's checkpoint moves now; one the trainer was launched from, or a range, once it stopped
-        self.ctx.apply_set_asides(busy=frozenset({a.resume.path} if a.resume else ()))
         exit_ = a.launched.status
         if exit_ is not None:
             fresh += self.drain(a)  # everything it wrote before exiting, however much

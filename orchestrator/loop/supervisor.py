@@ -186,6 +186,8 @@ class Supervisor:
         a, parts = self._attempt, self._parts
         obs = parts.observer.observe(a)
         parts.health.record(obs.health)  # warnings too, whatever the verdict
+        # a content finding's checkpoint moves now; the one the trainer was launched from, or a range, once it stopped
+        self._ctx.apply_set_asides(busy=frozenset({a.resume.path} if a.resume else ()))
         match judge(obs):
             case Keep():
                 return State.RUNNING
