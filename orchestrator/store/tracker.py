@@ -270,6 +270,7 @@ class CheckpointTracker:
         Returns how many were deleted (none when not `act`)."""
         if not self.act:
             return 0
+        self.apply_checks()  # what finished checking since the last scan counts (a wait for space scans nothing)
         kv = self.journal.get_all()
         if (kv.get("nan_pending") or {}).get("step") is not None or any(not p.local_done for p in self.standings.pending):
             return 0  # a NaN seen or checkpoints to set aside, not moved yet: keep all
