@@ -292,3 +292,23 @@ def test_a_check_that_outlasts_the_bound_leaves_its_checkpoint_out_of_the_resume
         assert any("still running" in e["message"] for e in events(sup, "resume_skip"))
     finally:
         release.set()
+
+
+def test_a_poisoned_copy_restored_on_a_new_machine_is_checked_before_it_is_resumed_from(world, tmp_path):
+    """A copy an earlier release published unchecked: restored onto an empty output_dir, content-checked like a
+    local save, set aside (locally and its published copy) and not resumed from."""
+    from orchestrator.config.recipe import recipe_hash
+    sup, host = world_with(world, persistent=tmp_path / "pers")
+    r = sup.recipe
+    h = recipe_hash(r)
+    src = tmp_path / "elsewhere"
+    poison(make_megatron(src, 30))
+    sync.sync_once(src, publish_dir(r.run.persistent_dir, r.run.name, h), "megatron", h)   # ungated, as before
+    t = running(sup, host)
+    assert resumed_from(t) is None, "started fresh, not from the poisoned copy"
+    assert (sup.ctx.out / "checkpoint-30.checkpoint_nonfinite").is_dir()
+    for _ in range(20):
+        if not sup.ctx.standings.pending:
+            break
+        a_pass(sup, host)
+    assert 30 not in published_steps(sup)

@@ -70,6 +70,10 @@ class Launcher:
                 resume = self._restore()
             if self.stop_event.is_set():
                 return State.STOPPED, None
+            if resume is not None:  # a restored copy is checked like a local save before it is trusted
+                if (unsettled := self.settle()) is not None:
+                    return unsettled, None
+                resume = self.checkpoints.resume_point()
         now = self.host.now()
         lo, hi = r.supervisor.port_range
         port = before.port if before else None
