@@ -179,11 +179,10 @@ class Publisher:
         """Bytes in the restore's staging directories so far (its progress)."""
         total = 0
         for d in Path(self.recipe.run.output_dir).glob(f"{sync.PARTIAL}*"):
-            for f in d.rglob("*"):
-                try:
-                    total += f.stat().st_size if f.is_file() else 0
-                except OSError:
-                    pass
+            try:  # the restore renames a staging directory into place while this walks it
+                total += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            except OSError:
+                pass
         return total
 
     def finish_restore(self) -> CheckpointInfo | None:
