@@ -76,9 +76,9 @@ class Standings:
     set-aside requests."""
 
     def __init__(self, journal: Journal | None) -> None:
-        """Loads what `journal` recorded (None: nothing recorded, nothing recorded; a tool's throwaway view)."""
+        """Loads what `journal` recorded (None: nothing is loaded or recorded: a tool's throwaway view)."""
         self.journal = journal
-        self.lock = threading.Lock()   # the sync thread reads while the loop's thread moves
+        self.lock = threading.Lock()   # entries and pending: the sync thread reads while the loop's thread moves
         self.entries: dict[int, Entry] = {}
         for row in journal.checkpoints() if journal is not None else ():
             if row.get("standing"):
@@ -139,7 +139,8 @@ class Standings:
         request again is a no-op. Returns the request kept."""
         if (same := self.current(req)) is not None:
             return same
-        self.pending.append(req)
+        with self.lock:
+            self.pending.append(req)
         self._save()
         for step in self.steps(*(s for s in Standing if s is not Standing.SET_ASIDE)):
             if req.covers(step):
@@ -155,32 +156,37 @@ class Standings:
     def current(self, req: SetAside) -> SetAside | None:
         """The pending request `req` is (as it stands now), or None once it was cleared."""
         key = (req.from_step, req.reason, req.only_step)
-        return next((p for p in self.pending if (p.from_step, p.reason, p.only_step) == key), None)
+        with self.lock:
+            return next((p for p in self.pending if (p.from_step, p.reason, p.only_step) == key), None)
 
     def covering(self, step: int, local: bool = True) -> SetAside | None:
         """The pending request whose `local` (else published) part still has to move checkpoint `step`."""
-        return next((p for p in self.pending if p.covers(step) and not (p.local_done if local else p.published_done)),
-                    None)
+        with self.lock:
+            return next((p for p in self.pending
+                         if p.covers(step) and not (p.local_done if local else p.published_done)), None)
 
     def progressed(self, req: SetAside, local_through: int | None = None, published: bool = False) -> SetAside | None:
         """Records that a request's local copies have moved (`local_through`: the newest step they reached) and/or
         its published ones; returns it as it stands now, or None once both have (it is then cleared)."""
-        i = self.pending.index(req)
         now = req
         if local_through is not None and not req.local_done:
             now = replace(now, local_done=True,
                           through_step=req.from_step if req.only_step else max(req.from_step, local_through))
         if published:
             now = replace(now, published_done=True)
-        if now.local_done and now.published_done:
-            del self.pending[i]
+        done = now.local_done and now.published_done
+        if now != req or done:
+            with self.lock:
+                i = self.pending.index(req)
+                if done:
+                    del self.pending[i]
+                else:
+                    self.pending[i] = now
             self._save()
-            return None
-        if now != req:
-            self.pending[i] = now
-            self._save()
-        return now
+        return None if done else now
 
     def _save(self) -> None:
         if self.journal is not None:
-            self.journal.put(**{PENDING_KEY: [p.to_json() for p in self.pending]})
+            with self.lock:
+                pending = [p.to_json() for p in self.pending]
+            self.journal.put(**{PENDING_KEY: pending})
