@@ -115,7 +115,7 @@ def test_nan_quarantine_survives_a_supervisor_killed_before_it(tmp_path, monkeyp
     def killed(self, *args):
         raise _Killed()
 
-    monkeypatch.setattr(CheckpointTracker, "quarantine", killed)
+    monkeypatch.setattr(CheckpointTracker, "set_aside_local", killed)   # killed after the request, before a move
     with pytest.raises(_Killed):
         Supervisor(load(recipe), install_signals=False).run()
     monkeypatch.undo()

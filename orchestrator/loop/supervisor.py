@@ -278,24 +278,26 @@ class Supervisor:
         ctx, parts = self.ctx, self.parts
         if ctx is None or parts is None or ctx.closed:
             return
-        a = self.attempt
-        if self.state in TERMINAL_STATES and a and a.open:  # every terminal path finishes the running attempt
-            parts.observer.drain(a)
-            a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER), stopped=True)
-        if self.state is State.GAVE_UP:
-            ctx.journal.event("gave_up", self.exit_reason)
-        self.notifier.stopping(f"{self.state.value}: final sync")  # disarms the watchdog for the final sync
-        ctx.checkpoints.close()  # manifests and content checks first: the final sync publishes the healthy ones
-        alive = None if self.state in TERMINAL_STATES or a is None else frozenset(
-            {a.resume.path} if a.resume else ())   # a supervisor bug mid-attempt: its trainer may still write
-        if not ctx.apply_set_asides(busy=alive, wait_s=SET_ASIDE_FINAL_WAIT_S):  # no trainer is left: every copy may move
-            ctx.journal.event("quarantine", "set-asides still pending at exit (the sync lock stayed taken): the next "
-                              "start moves them first", pending=[p.to_json() for p in ctx.standings.pending])
-        ctx.publisher.stop(final_sync=True)
-        ctx.checkpoints.prune(ctx.keep_local, pressure=False, writing=False)  # what the final sync published
-        parts.ticker.housekeeping(goodput_now=True)  # final goodput and sync figures
-        if self.state is State.GAVE_UP and self.recipe.metrics.enabled:
-            self.host.wait(self.stop_event, self.recipe.metrics.linger_s)  # let Prometheus scrape gave_up
-        ctx.journal.put(state=self.state.value, exit_reason=self.exit_reason, updated_at=self.host.now())
-        self.metrics.close()
-        ctx.release()
+        try:
+            a = self.attempt
+            if self.state in TERMINAL_STATES and a and a.open:  # every terminal path finishes the running attempt
+                parts.observer.drain(a)
+                a.finish(ctx.journal, self.host, Crash(CrashClass.OTHER), stopped=True)
+            if self.state is State.GAVE_UP:
+                ctx.journal.event("gave_up", self.exit_reason)
+            self.notifier.stopping(f"{self.state.value}: final sync")  # disarms the watchdog for the final sync
+            ctx.checkpoints.close(move=False)  # manifests and checks first: the final sync publishes the healthy ones
+            alive = None if self.state in TERMINAL_STATES or a is None else frozenset(
+                {a.resume.path} if a.resume else ())   # a supervisor bug mid-attempt: its trainer may still write
+            if not ctx.apply_set_asides(busy=alive, wait_s=SET_ASIDE_FINAL_WAIT_S):
+                ctx.journal.event("quarantine", "set-asides still pending at exit (the sync lock stayed taken): the next "
+                                  "start moves them first", pending=[p.to_json() for p in ctx.standings.pending])
+            ctx.publisher.stop(final_sync=True)
+            ctx.checkpoints.prune(ctx.keep_local, pressure=False, writing=False)  # what the final sync published
+            parts.ticker.housekeeping(goodput_now=True)  # final goodput and sync figures
+            if self.state is State.GAVE_UP and self.recipe.metrics.enabled:
+                self.host.wait(self.stop_event, self.recipe.metrics.linger_s)  # let Prometheus scrape gave_up
+            ctx.journal.put(state=self.state.value, exit_reason=self.exit_reason, updated_at=self.host.now())
+        finally:  # a failure on the way out must not keep the run's locks (its successor could not start)
+            self.metrics.close()
+            ctx.release()

@@ -150,6 +150,8 @@ class Standings:
     def set_aside_known(self, step: int, path: str, reason: SetAsideReason) -> None:
         """Sets aside a checkpoint a pending request covers that appeared after the request was made."""
         e = self.of(step)
+        if e is None:  # never scanned (a save on the way out of the attempt): a new save first
+            self.move(step, path, Standing.WRITTEN)
         if e is None or e.standing is not Standing.SET_ASIDE:
             self.move(step, path, Standing.SET_ASIDE, reason)
 

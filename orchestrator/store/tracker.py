@@ -54,7 +54,8 @@ class CheckpointTracker:
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
         self.health = checkpoint_health.CheckpointHealth(out)
         self.checks: dict[str, Future] = {}   # path -> its manifest + content check, submitted, not applied yet
-        self.checked: list[tuple[str, int, float | None, object]] = []  # (path, step, saved_at, finding or error)
+        # (path, step, saved_at, finding or error, manifest unwritten)
+        self.checked: list[tuple[str, int, float | None, object, bool]] = []
         self.checked_lock = threading.Lock()
         for left in out.glob(f"{PRUNING}*") if act else ():  # a supervisor killed mid-delete: finish its decision
             shutil.rmtree(left, ignore_errors=True)
@@ -98,20 +99,25 @@ class CheckpointTracker:
     def _check(self, path: str, step: int, loss: float | None, saved: float | None) -> None:
         """The manifest (unless a current one is there) and the content check, off the loop: hashing a large
         checkpoint takes minutes. A manifest that fails (a full disk refuses even a small JSON) is retried by
-        retry_manifests(); the content check always runs: a manifest proves bytes, not health."""
-        def job() -> object:
-            m = manifest.read_manifest(path)
+        retry_manifests(), and the content check runs all the same (on the hashes in memory): a manifest proves
+        bytes, not health, and a full disk must not cost the run its resume point."""
+        def job() -> tuple[object, bool]:
+            m, unwritten = manifest.read_manifest(path), False
             if m is None or manifest.manifest_stale(path, m):
-                manifest.write_manifest(path, step, self.hash, loss)
+                m = manifest.build_manifest(path, step, self.hash, loss)  # OSError: the files went meanwhile
+                try:
+                    manifest.write_json_atomic(Path(path) / manifest.MANIFEST, m)
+                except OSError:
+                    unwritten = True
             try:
-                return self.health.check(path, step)
+                return self.health.check(path, step, m), unwritten
             except Exception as e:  # a bug in a check must not cost the run: said, and the checkpoint stays usable
-                return RuntimeError(f"content check failed: {type(e).__name__}: {e}")
+                return RuntimeError(f"content check failed: {type(e).__name__}: {e}"), unwritten
 
         def done(f: Future) -> None:
             err = f.exception()
             with self.checked_lock:
-                self.checked.append((path, step, saved, err if err is not None else f.result()))
+                self.checked.append((path, step, saved, *((err, False) if err is not None else f.result())))
         self.unhashed.pop(path, None)
         fut = self.hasher.submit(job)
         self.checks[path] = fut
@@ -135,13 +141,14 @@ class CheckpointTracker:
         with self.checked_lock:
             done, self.checked = self.checked, []
         self.health.take()  # its findings come back through `done`
-        for path, step, saved, result in done:
+        for path, step, saved, result, unwritten in done:
             self.checks.pop(path, None)
             e = self.standings.of(step)
+            if unwritten or isinstance(result, OSError):  # the manifest is retried (retry_manifests)
+                self.unhashed[path] = (step, None)
             if e is None or e.path != path or e.saved_at != saved or e.standing is not Standing.VERIFIED:
                 continue
-            if isinstance(result, OSError):   # the manifest failed: retried, the standing waits
-                self.unhashed[path] = (step, None)
+            if isinstance(result, OSError):   # its files could not be read: the standing waits for the retry
                 continue
             if isinstance(result, Finding):
                 self._found(result)
@@ -347,10 +354,12 @@ class CheckpointTracker:
         else:
             link.unlink()
 
-    def close(self) -> None:
+    def close(self, move: bool = True) -> None:
+        """Finishes the manifests and content checks and applies them; `move`: and moves the local copies the
+        pending set-asides name (a tool's tracker; the supervisor moves them itself, minding a live trainer)."""
         self.hasher.shutdown(wait=True)  # manifests and checks first: the final sync publishes the healthy ones
         self.apply_checks()
-        for req in list(self.standings.pending) if self.act else ():  # no trainer is left: the local copies move
+        for req in list(self.standings.pending) if self.act and move else ():
             if not req.local_done:
                 self.set_aside_local(req)
 
