@@ -4,10 +4,12 @@ was logged before, progress lines the parser cannot read, and the attempt's thro
     start(a)         a new attempt: HealthWatch.attempt (the run's logged steps on this supervisor's first
                      launch), a new ThroughputTracker against the best baseline of earlier attempts
     observe(a, ...)  feeds what the pass read to the detectors (domain/health/: the HealthWatch's list and the
-                     throughput tracker), takes the machine's evidence at a throughput drop, and decides each
-                     finding (pure: domain/health/action.act) -> HealthSeen, a frozen value for the Observation
-    record(seen)     the journal events (with their numbers and the action), the metrics, the `slow` spans:
-                     called by the supervisor where it acts
+                     throughput tracker) and takes the machine's evidence at a throughput drop -> HealthSeen, the
+                     findings as facts with the Situation deciding them needs (a frozen value for the Observation)
+    decide(seen)     pure: each finding's action (domain/health/action.act), folded into what judge reads
+                     (loop/running.py decides them together with the pass's other outcomes)
+    record(events)   the journal events (with their numbers and the action taken), the metrics, the `slow`
+                     spans: called by the supervisor where it acts, after judge
     end(now)         the slow spell still open when the attempt ends, as a `slow` span
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from orchestrator.domain import progress
 from orchestrator.domain.health import action
 from orchestrator.domain.health.action import HealthAction, Situation, rollbacks_of
-from orchestrator.domain.health.kinds import DIVERGENCE_KINDS
+from orchestrator.domain.health.kinds import DIVERGENCE_KINDS, Finding
 from orchestrator.domain.health.skipped_steps import fp16_run
 from orchestrator.domain.health.slowdown_clues import clues
 from orchestrator.domain.health.throughput import ThroughputParams, ThroughputTracker
@@ -33,7 +35,7 @@ SUSPECT_KEY = "health_suspect"   # journal kv: {"from", "through"}: steps whose 
 
 @dataclass(frozen=True)
 class HealthEvent:
-    """One health event to record: its kind, message and numbers (the action decided among them)."""
+    """One health event to record: its kind, message and numbers (with the action taken about it)."""
 
     kind: str
     message: str
@@ -42,16 +44,54 @@ class HealthEvent:
 
 
 @dataclass(frozen=True)
-class HealthSeen:
-    """What one pass's health detectors found, and the strongest action they call for."""
+class Found:
+    """One finding of a pass, with what observing it added: the machine's evidence at a throughput_drop."""
 
-    events: tuple[HealthEvent, ...] = ()
+    finding: Finding
+    note: str = ""                                  # appended to its event's message (the slowdown's clues)
+    data: dict = field(default_factory=dict)        # more numbers for its event (clues, evidence)
+
+
+@dataclass(frozen=True)
+class HealthSeen:
+    """What one pass's health detectors found, as facts, and what deciding them needs (nothing decided yet)."""
+
+    found: tuple[Found, ...] = ()
+    situation: Situation = Situation()
+
+
+@dataclass(frozen=True)
+class HealthCalls:
+    """What a pass's findings call for: each one's action (in `found` order), and the strongest of them."""
+
+    acts: tuple[HealthAction, ...] = ()
     stop: str | None = None                  # a graceful stop, exit 3 with this reason
     rollback: HealthAction | None = None     # quarantine from .quarantine_from, relaunch from .relaunch_from
     resume_suspect: bool = False             # the rollback is a resume divergence's (relaunch once, then stop)
     restart: str | None = None               # health.on_slowdown = "restart": a graceful stop and a relaunch
+    restart_by: int | None = None            # ... called for by this finding (its index in `found`)
     onset: int | None = None                 # the earliest step a stop or rollback finding names: checkpoints
                                              # from here on are not healthy, whatever verdict wins the pass
+
+
+def decide(seen: HealthSeen) -> HealthCalls:
+    """Decides each finding of a pass (action.act under its Situation) and folds the actions: the first stop, the
+    first rollback, the first restart, the earliest onset. Pure."""
+    acts = tuple(action.act(fd.finding, seen.situation) for fd in seen.found)
+    stop, rollback, suspect, restart, restart_by, onsets = None, None, False, None, None, []
+    for i, (fd, act) in enumerate(zip(seen.found, acts)):
+        f = fd.finding
+        if act.action in ("stop", "rollback"):
+            onsets.append(act.quarantine_from if act.quarantine_from is not None else f.first_step
+                          if f.first_step is not None else f.last_step if f.kind in DIVERGENCE_KINDS else None)
+        if act.action == "stop" and stop is None:
+            stop = f"resume divergence: {act.reason}" if f.kind == HealthKind.RESUME_DIVERGENCE else act.reason
+        elif act.action == "rollback" and rollback is None:
+            rollback, suspect = act, f.kind == HealthKind.RESUME_DIVERGENCE
+        elif act.action == "restart" and restart is None:
+            restart, restart_by = f"{f.message}; restarting ({act.reason})", i
+    return HealthCalls(acts, stop, rollback, suspect, restart, restart_by,
+                       min((o for o in onsets if o is not None), default=None))
 
 
 class RunHealth:
@@ -96,7 +136,8 @@ class RunHealth:
         return self.watch.alive_at
 
     def observe(self, a: AttemptWatch, fresh: list[Progress], now: float, mono: float) -> HealthSeen:
-        """Feeds one pass's reading to the detectors; returns what they found and the action it calls for."""
+        """Feeds one pass's reading to the detectors; returns what they found (facts: nothing is decided here) and
+        the Situation deciding it needs, with the machine's evidence at a throughput drop."""
         lines, saves = a.take_read()
         if a.row.kind == AttemptKind.EXPORT or self.throughput is None:
             return HealthSeen()
@@ -109,43 +150,36 @@ class RunHealth:
         slow = [f for p in fresh for f in tr.observe(p.step, now)]
         if tr.ratio is not None:
             self.metrics.throughput(tr.ratio)
-        events, stop, rollback, suspect, restart, onsets = [], None, None, False, None, []
         situation = Situation(
-            self.cfg.on_divergence, self.cfg.on_slowdown, self.ctx.checkpoints.good_steps() if found else [],
-            rollbacks_of(self.ctx.journal.events_of(DIVERGENCE_KINDS))
-            if any(f.kind in DIVERGENCE_KINDS for f in found) else [],
+            self.cfg.on_divergence, self.cfg.on_slowdown, tuple(self.ctx.checkpoints.good_steps()) if found else (),
+            tuple(rollbacks_of(self.ctx.journal.events_of(DIVERGENCE_KINDS)))
+            if any(f.kind in DIVERGENCE_KINDS for f in found) else (),
             a.resume.step if a.resume is not None else None, self.retrying_resume, now, self.last_restart_at)
-        for f in found + slow:
-            act = action.act(f, situation)
-            message, data = f.message, {**f.record(), **act.record()}
-            if f.kind == HealthKind.THROUGHPUT_DROP:
-                evidence = self.host.slowdown_evidence(a.launched)
-                suspects = clues(evidence)
-                message += f"; {'; '.join(suspects)}" if suspects else ""
-                data |= {"clues": list(suspects), "evidence": asdict(evidence), "why": act.reason}
-            events.append(HealthEvent(f.kind, message, data, slow_span=(f.since, f.at)
-                                      if f.kind == HealthKind.THROUGHPUT_RECOVERED and f.since is not None
-                                      and f.at is not None else None))
-            if act.action in ("stop", "rollback"):
-                onsets.append(act.quarantine_from if act.quarantine_from is not None else f.first_step
-                              if f.first_step is not None else f.last_step if f.kind in DIVERGENCE_KINDS else None)
-            if act.action == "stop" and stop is None:
-                stop = f"resume divergence: {act.reason}" if f.kind == HealthKind.RESUME_DIVERGENCE else act.reason
-            elif act.action == "rollback" and rollback is None:
-                rollback, suspect = act, f.kind == HealthKind.RESUME_DIVERGENCE
-            elif act.action == "restart" and restart is None:
-                restart, self.last_restart_at = f"{f.message}; restarting ({act.reason})", now
         self._forget_suspect(a)
-        return HealthSeen(tuple(events), stop, rollback, suspect, restart,
-                          min((o for o in onsets if o is not None), default=None))
+        return HealthSeen(tuple(self._evidence(a, f) for f in found + slow), situation)
 
-    def record(self, seen: HealthSeen) -> None:
-        """Records a pass's health events: journal (with their numbers), metrics, the `slow` goodput spans."""
-        for e in seen.events:
+    def _evidence(self, a: AttemptWatch, f: Finding) -> Found:
+        """A finding with the machine's evidence at a throughput drop (what else was busy, I/O), for its event."""
+        if f.kind != HealthKind.THROUGHPUT_DROP:
+            return Found(f)
+        evidence = self.host.slowdown_evidence(a.launched)
+        suspects = clues(evidence)
+        return Found(f, f"; {'; '.join(suspects)}" if suspects else "",
+                     {"clues": list(suspects), "evidence": asdict(evidence)})
+
+    def record(self, events: tuple[HealthEvent, ...]) -> None:
+        """Records a pass's health events (running.judge_pass's, with the action taken): journal (with their
+        numbers), metrics, the `slow` goodput spans."""
+        for e in events:
             self.ctx.journal.event(e.kind, e.message, **e.data)
             self.metrics.health_event(e.kind)   # with what KINDS says it raises (resume_divergence: its counter)
             if e.slow_span:
                 self.ctx.journal.span(*e.slow_span, "slow")
+
+    def restarted(self, now: float) -> None:
+        """A SlowRestart was carried out (or, in watch mode, advised) at `now`: on_slowdown restarts at most once
+        per action.RESTART_MIN_GAP_S from here."""
+        self.last_restart_at = now
 
     def set_aside_from(self, step: int, through: int | None, resume_suspect: bool = False) -> None:
         """Checkpoints from `step` on were set aside (a rollback, a NaN, a stop): the next attempt's resume check

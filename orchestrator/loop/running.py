@@ -20,24 +20,27 @@
                   a slowdown, on_slowdown = "restart" -> SlowRestart
                   hang                       -> Crashed (nccl_timeout_hang, stacks dumped)
                   otherwise                  -> Keep
-                Health warnings (spikes, unreadable progress, a slowdown) are recorded whatever the verdict.
-    act         the supervisor (loop/supervisor.py `_running`) carries the verdict out.
+                Run health's findings come as facts (HealthSeen); judge decides them (loop/health.decide: the
+                pure action.act of each) together with the outcomes above.
+    judge_pass  pure: judge's verdict, and the pass's health events to record, each saying what was done about
+                its finding (health_events below): warnings are recorded whatever the verdict.
+    act         the supervisor (loop/supervisor.py `_running`) records the events and carries the verdict out.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.domain import policy
 from orchestrator.host.base import Host
 from orchestrator.host.metrics import Metrics
-from orchestrator.domain.health.action import HealthAction
+from orchestrator.domain.health.action import HealthAction, newest_before
 from orchestrator.loop.attempt import AttemptWatch
-from orchestrator.loop.health import HealthSeen, RunHealth
+from orchestrator.loop.health import HealthCalls, HealthEvent, HealthSeen, RunHealth, decide
 from orchestrator.loop.run import RunContext
 from orchestrator.loop.ticker import Ticker
-from orchestrator.types import AttemptKind, Crash, CrashClass, ExitStatus, Phase, Progress
+from orchestrator.types import AttemptKind, Crash, CrashClass, ExitStatus, HealthKind, Phase, Progress
 
 CHECKPOINT_SCAN_S = 2.0
 ECHO_PROGRESS_S = 10.0
@@ -133,19 +136,39 @@ Verdict = (Keep | Crashed | TrainingOver | ExportExited | StopRequested | Resume
            | SlowRestart)
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """A pass judged: its one verdict, and the health events to record (each with the action taken)."""
+
+    verdict: Verdict
+    events: tuple[HealthEvent, ...] = ()
+
+
+def judge_pass(obs: Observation) -> Judgement:
+    """Judges a RUNNING pass: its verdict (judge) and its health events, each saying what was done. Pure."""
+    calls = decide(obs.health)
+    verdict = _verdict(obs, calls)
+    return Judgement(verdict, health_events(obs.health, calls, verdict))
+
+
 def judge(obs: Observation) -> Verdict:
-    """Returns the one verdict of a RUNNING pass; the precedence is the module docstring's table."""
-    onset = obs.health.onset
+    """Returns the one verdict of a RUNNING pass; the precedence is the module docstring's table. Pure."""
+    return _verdict(obs, decide(obs.health))
+
+
+def _verdict(obs: Observation, health: HealthCalls) -> Verdict:
+    """The verdict of judge, given the pass's health findings decided."""
+    onset = health.onset
     if obs.nan_line:
         first = min((s for s in (obs.nan_step, onset) if s is not None), default=None)
         return Crashed(Crash(CrashClass.NAN_LOSS, obs.nan_line, Phase.TRAINING), nan_step=obs.nan_step,
                        set_aside_from=first)
     if obs.exit is not None and obs.kind == AttemptKind.EXPORT:
         return ExportExited()
-    if obs.health.stop:
-        return HealthStop(obs.health.stop, onset)
-    if obs.health.rollback:
-        return RolledBack(obs.health.rollback, obs.health.resume_suspect)
+    if health.stop:
+        return HealthStop(health.stop, onset)
+    if health.rollback:
+        return RolledBack(health.rollback, health.resume_suspect)
     if obs.exit is not None:
         if obs.at_end and obs.exit.code != 0 and obs.last_verified:
             # every step done and the last save verified: a failure while tearing down (seen: a gloo rank's
@@ -167,11 +190,71 @@ def judge(obs: Observation) -> Verdict:
         return Crashed(Crash(CrashClass.DISK_FULL, (obs.disk_full,), obs.phase))
     if obs.resumed_at_wrong_step:
         return ResumedAtWrongStep(obs.resumed_at_wrong_step)
-    if obs.health.restart:
-        return SlowRestart(obs.health.restart)
+    if health.restart:
+        return SlowRestart(health.restart)
     if obs.hang:
         return Crashed(Crash(CrashClass.NCCL_TIMEOUT_HANG, (obs.hang,), obs.phase), hang=True)
     return Keep()
+
+
+def taken(v: Verdict) -> str:
+    """The verdict's name in the journal (a health event's `taken`): crashed:<class>, health_stop, rolled_back ..."""
+    if isinstance(v, Crashed):
+        return f"crashed:{v.crash.cls.value}" if v.crash else "crashed"
+    return _TAKEN[type(v)]
+
+
+_TAKEN: dict[type, str] = {Keep: "keep", TrainingOver: "training_over", ExportExited: "export_exited",
+                           StopRequested: "stop_requested", ResumedAtWrongStep: "resumed_at_wrong_step",
+                           HealthStop: "health_stop", RolledBack: "rolled_back", SlowRestart: "slow_restart"}
+
+
+def carried_out(act: HealthAction, i: int, calls: HealthCalls, v: Verdict, verified: Sequence[int]) -> bool:
+    """Whether verdict `v` does what act() proposed for the pass's finding `i`. A warning always is (it is the
+    event); a stop when the run stops; a restart when it is this finding's; a rollback when the verdict sets
+    aside from its onset or earlier and relaunches from the same checkpoint: its own RolledBack, another
+    finding's that does the same, or a NaN crash (which relaunches from the newest verified checkpoint before
+    what it set aside): for the recurrence rule (action.rollbacks_of) that is the rollback."""
+    match act.action:
+        case "warn":
+            return True
+        case "stop":
+            return isinstance(v, HealthStop)
+        case "restart":
+            return isinstance(v, SlowRestart) and calls.restart_by == i
+    if act.quarantine_from is None:
+        return False
+    if isinstance(v, RolledBack):
+        done = v.action
+        return (done == act or done.quarantine_from is not None and done.quarantine_from <= act.quarantine_from
+                and done.relaunch_from == act.relaunch_from)
+    if isinstance(v, Crashed) and v.set_aside_from is not None:
+        return (v.set_aside_from <= act.quarantine_from
+                and newest_before(v.set_aside_from, verified) == act.relaunch_from)
+    return False
+
+
+def health_events(seen: HealthSeen, calls: HealthCalls, v: Verdict) -> tuple[HealthEvent, ...]:
+    """The pass's health events, each with the action taken about its finding and `taken`, the verdict carried
+    out. A finding the verdict did not carry out says `action: "superseded"` and what act() `proposed`; a stop
+    or rollback finding says where the verdict set aside from (`set_aside_from`), when it did. Pure."""
+    out = []
+    first = v.set_aside_from if isinstance(v, (Crashed, HealthStop)) else (
+        v.action.quarantine_from if isinstance(v, RolledBack) else None)
+    for i, (fd, act) in enumerate(zip(seen.found, calls.acts)):
+        f = fd.finding
+        data = {**f.record(), **act.record(), **fd.data}
+        if f.kind == HealthKind.THROUGHPUT_DROP:
+            data["why"] = act.reason
+        if not carried_out(act, i, calls, v, seen.situation.verified_steps):
+            data |= {"action": "superseded", "proposed": act.action}
+        if act.action in ("stop", "rollback") and first is not None:
+            data["set_aside_from"] = first
+        data["taken"] = taken(v)
+        out.append(HealthEvent(f.kind, f.message + fd.note, data, slow_span=(f.since, f.at)
+                               if f.kind == HealthKind.THROUGHPUT_RECOVERED and f.since is not None
+                               and f.at is not None else None))
+    return tuple(out)
 
 
 class Observer:

@@ -36,7 +36,7 @@ from orchestrator.loop.launch import Launcher
 from orchestrator.loop.recovery import Recovery
 from orchestrator.loop.run import RunContext, open_run
 from orchestrator.loop.running import (Crashed, ExportExited, HealthStop, Keep, Observer, ResumedAtWrongStep,
-                                       RolledBack, SlowRestart, StopRequested, TrainingOver, judge)
+                                       RolledBack, SlowRestart, StopRequested, TrainingOver, judge_pass)
 from orchestrator.loop.states import transitions_text
 from orchestrator.loop.ticker import Ticker
 from orchestrator.store.standing import SetAside
@@ -185,10 +185,11 @@ class Supervisor:
         """RUNNING: observe -> judge -> act (loop/running.py); the acting is here, in one place."""
         a, parts = self._attempt, self._parts
         obs = parts.observer.observe(a)
-        parts.health.record(obs.health)  # warnings too, whatever the verdict
+        judged = judge_pass(obs)
+        parts.health.record(judged.events)  # warnings too, whatever the verdict; each with the action taken
         # a content finding's checkpoint moves now; the one the trainer was launched from, or a range, once it stopped
         self._ctx.apply_set_asides(busy=frozenset({a.resume.path} if a.resume else ()))
-        match judge(obs):
+        match judged.verdict:
             case Keep():
                 return State.RUNNING
             case Crashed(crash=crash, nan_step=nan_step, hang=hang, set_aside_from=first):
@@ -229,6 +230,7 @@ class Supervisor:
                 parts.health.set_aside_from(action.quarantine_from, a.last.step if a.last else None, suspect)
                 return State.VERIFYING
             case SlowRestart(reason=reason):
+                parts.health.restarted(obs.now)   # at most one restart per hour, counted from this one
                 self._stop_attempt(a, reason)
                 return State.VERIFYING
         raise AssertionError("judge returned an unknown verdict")

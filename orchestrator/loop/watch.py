@@ -39,8 +39,8 @@ from orchestrator.loop.attempt import AttemptWatch
 from orchestrator.loop.gpu_gate import GpuGate
 from orchestrator.loop.health import RunHealth
 from orchestrator.loop.run import open_run
-from orchestrator.loop.running import (Crashed, HealthStop, Keep, Observation, Observer, RolledBack, StopRequested,
-                                       TrainingOver, judge)
+from orchestrator.loop.running import (Crashed, HealthStop, Keep, Observation, Observer, RolledBack, SlowRestart,
+                                       StopRequested, TrainingOver, judge_pass)
 from orchestrator.loop.ticker import Ticker
 from orchestrator.store.checkpoints import logged_losses
 from orchestrator.store.standing import SetAside
@@ -166,11 +166,14 @@ class Watch:
         journal = self.ctx.journal
         while True:
             obs = self.observer.observe(a)
-            self.health.record(obs.health)
+            judged = judge_pass(as_judged(obs))
+            self.health.record(judged.events)   # each with the action `run` would take: what is advised
             self._advise_checkpoints(a)
             if a.bad_step is not None and not self.poisoned:
                 self._poisoned(a)
-            v = judge(as_judged(obs))
+            v = judged.verdict
+            if isinstance(v, SlowRestart):   # advised, as `run` would restart: at most once per hour too
+                self.health.restarted(obs.now)
             journal.put(updated_at=self.host.now(), **({"step": a.last.step} if a.last else {}))
             match v:
                 case Keep():
