@@ -120,7 +120,7 @@ def test_verdicts_carry_what_act_needs():
     assert judge(replace(QUIET, **DIVERGED)) == ResumedAtWrongStep(DIVERGED["resumed_at_wrong_step"])
     assert judge(replace(QUIET, **STOP)) == StopRequested() and judge(QUIET) == Keep()
     assert judge(replace(QUIET, **EXPORT_EXIT)) == ExportExited()
-    assert judge(replace(QUIET, **ROLLBACK)) == RolledBack(ROLLBACK_ACTION, False)
+    assert judge(replace(QUIET, **ROLLBACK)) == RolledBack(ROLLBACK_ACTION, False, 14)
     assert judge(replace(QUIET, exit=EXIT1, **UNHEALTHY)) == HealthStop(STOP_REASON)
     assert judge(replace(QUIET, **SLOW)) == SlowRestart(RESTART_REASON)
 
@@ -225,3 +225,11 @@ def test_judge_touches_only_its_argument(observed):
     first, second = judge_pass(obs), judge_pass(obs)
     assert first == second and judge(obs) == first.verdict
     assert obs == before
+
+
+def test_a_rollback_sets_aside_from_the_earliest_onset_of_the_pass():
+    """Two acted-on findings in one pass: the loss limit from step 12, the divergence from 14: the rollback
+    (the first finding's) sets aside from 12, whichever finding decided it."""
+    limit = Finding(HealthKind.LOSS_LIMIT, "50 over 10", first_step=12, last_step=15)
+    v = judge(replace(QUIET, health=seen(ONSET_14, limit, on_divergence="rollback", verified_steps=(5, 10, 14))))
+    assert isinstance(v, RolledBack) and v.set_aside_from == 12

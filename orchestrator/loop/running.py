@@ -122,6 +122,7 @@ class RolledBack:
 
     action: HealthAction
     resume_suspect: bool = False
+    set_aside_from: int | None = None  # the earliest onset of the pass (the action's, or an earlier finding's)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,8 @@ def _verdict(obs: Observation, health: HealthCalls) -> Verdict:
     if health.stop:
         return HealthStop(health.stop, onset)
     if health.rollback:
-        return RolledBack(health.rollback, health.resume_suspect)
+        first = min((s for s in (health.rollback.quarantine_from, onset) if s is not None), default=None)
+        return RolledBack(health.rollback, health.resume_suspect, first)
     if obs.exit is not None:
         if obs.at_end and obs.exit.code != 0 and obs.last_verified:
             # every step done and the last save verified: a failure while tearing down (seen: a gloo rank's

@@ -221,13 +221,12 @@ class Supervisor:
                                         f"divergence at step {first} (the run stopped)")
                 self.exit_reason = reason
                 return State.GAVE_UP
-            case RolledBack(action=action, resume_suspect=suspect):
+            case RolledBack(action=action, resume_suspect=suspect, set_aside_from=first):
                 self._stop_attempt(a, action.reason)
-                assert action.quarantine_from is not None
-                self._ctx.set_aside(action.quarantine_from, SetAsideReason.SUSPECT if suspect else
-                                    SetAsideReason.DIVERGED, a.n,
-                                    f"written at or after the onset of a divergence at step {action.quarantine_from}")
-                parts.health.set_aside_from(action.quarantine_from, a.last.step if a.last else None, suspect)
+                assert first is not None
+                self._ctx.set_aside(first, SetAsideReason.SUSPECT if suspect else SetAsideReason.DIVERGED, a.n,
+                                    f"written at or after the onset of a divergence at step {first}")
+                parts.health.set_aside_from(first, a.last.step if a.last else None, suspect)
                 return State.VERIFYING
             case SlowRestart(reason=reason):
                 parts.health.restarted(obs.now)   # at most one restart per hour, counted from this one
