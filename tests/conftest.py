@@ -86,6 +86,16 @@ def world(write_recipe):
     yield from supervisors(write_recipe)
 
 
+@pytest.fixture
+def procs():
+    """A list the test appends the processes it starts to; each is ended afterwards (by_hand.end: its group)."""
+    from by_hand import end
+    started: list = []
+    yield started
+    for p in reversed(started):
+        end(p)
+
+
 # Helpers whose use makes a test end to end: real processes under a supervisor, a Slurm cluster, Prometheus.
 E2E_HELPERS = frozenset({"supervised", "prom", "chaos", "slurm_cluster", "swift_recipe"})
 E2E_MODULES = frozenset({"test_demo", "test_swift_parse", "test_fake_trainer", "test_evidence", "test_setup",

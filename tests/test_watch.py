@@ -10,20 +10,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from by_hand import end, kill_unseen, start_by_hand, start_reaped, watcher
+from by_hand import kill_unseen, start_by_hand, start_reaped, watcher
 from supervised import attempts, cli, events, fake_recipe, journal, supervise, wait_for
 
 from orchestrator.types import AttemptKind, CrashClass
 
 SLOW = {"FAKE_STEP_S": "0.05"}
-
-
-@pytest.fixture
-def procs():
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in reversed(started):
-        end(p)
 
 
 def attach(tmp: Path, recipe: Path, procs: list, *args: str, **env: str) -> tuple[subprocess.Popen, subprocess.Popen]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from by_hand import end, kill_group, kill_unseen, start_by_hand, start_reaped, watcher
+from by_hand import kill_group, kill_unseen, start_by_hand, start_reaped, watcher
 from supervised import attempts, cli, events, journal, wait_for
 from swift_recipe import recipe_file
 
@@ -34,14 +34,6 @@ pytestmark = [pytest.mark.swift,
               pytest.mark.skipif(importlib.util.find_spec("swift") is None, reason="ms-swift not installed (swift extra)")]
 
 SLOW_S = 600  # a swift start (torch, transformers, the dataset map) on a loaded 2-core machine: generous
-
-
-@pytest.fixture
-def procs():
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in reversed(started):
-        end(p)
 
 
 def last_step(out: Path) -> int:
