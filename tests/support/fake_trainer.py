@@ -4,7 +4,8 @@
 Run as `fake_trainer.py sft <ms-swift flags>`. It prints the real progress formats (stdout dict per log
 step, `[INFO:swift]` + tqdm on stderr), appends `<output_dir>/logging.jsonl`, writes checkpoints in the
 real order with the real completeness markers, resumes from them, and injects faults with the real crash
-texts (tests/support/crash_texts.py). No handler for SIGTERM: it dies of it (-15) like the real trainer.
+texts (tests/support/crash_texts.py). No handler for SIGTERM: it dies of it (-15) like the real trainer
+(FAKE_TERM_S: some seconds later).
 
 Environment:
   FAKE_BACKEND      megatron | swift (default: swift if --max_steps is given, else megatron)
@@ -26,7 +27,17 @@ Environment:
                     like torchrun/the `megatron` wrapper: 1 for every worker failure, host_oom_killed too)
   FAKE_EXIT_AFTER_STEP=N   stop cleanly (exit 0, end-of-run records) after step N although N < max
   FAKE_STALE_SAVE=N the save at step N writes the previous checkpoint's weight bytes (adapter safetensors,
-                    mcore shards) under the new step, as an async writer's cached copy did (NeMo-RL #3312)
+                    mcore shards) under the new step, as an async writer's cached copy did (NeMo-RL #3312);
+                    with FAKE_STATE once across launches (the relaunch's save of step N is a fresh one)
+  FAKE_NONFINITE_SAVE=N the save at step N writes an Inf into one tensor of its adapter safetensors (a save made
+                    after the weights overflowed, the loss not logged NaN yet); with FAKE_STATE once across launches
+  FAKE_LATE_LOG=N   the log record of step N (stdout dict and logging.jsonl) comes after that step's save (and after
+                    FAKE_HOLD's wait at N), as a block-buffered stdout shows it (print to a file, no PYTHONUNBUFFERED)
+  FAKE_HOLD=N:PATH[,N:PATH]  after step N (its log and save) the trainer waits, silent, until PATH exists (at most
+                    600 s): a test's handle between a save and the next step; no wait once PATH exists (a relaunch
+                    goes on)
+  FAKE_TERM_S=S     on SIGTERM the trainer goes on for S seconds (finishing a save, a rank stuck in a collective)
+                    before it dies of it; default 0: dies at once
   FAKE_REJECT_FLAGS comma list of flag names; if one is passed: `ValueError: remaining_argv: [...]`, exit 1
   FAKE_FORMAT       dict (default: ms-swift 4.x, the stdout dict and logging.jsonl) | pipe (megatron backend: what
                     ms-swift 3.x's Megatron backend prints, release/3.12 trainers/base.py training_log: Megatron-LM's
@@ -48,6 +59,7 @@ import resource
 import signal
 import struct
 import sys
+import threading
 import time
 import zipfile
 
@@ -146,6 +158,12 @@ class Fake:
         self.shard_bytes = int(float(env("FAKE_SHARD_MB", "0")) * (1 << 20))
         self.exit_after = int(env("FAKE_EXIT_AFTER_STEP") or 0)
         self.stale_save = int(env("FAKE_STALE_SAVE") or 0)
+        self.nonfinite_save = int(env("FAKE_NONFINITE_SAVE") or 0)
+        self.late_log = int(env("FAKE_LATE_LOG") or 0)
+        self.holds = {int(n): path for n, _, path in
+                      (h.partition(":") for h in (env("FAKE_HOLD") or "").split(",") if h.strip())}
+        self.term_s = float(env("FAKE_TERM_S") or 0)
+        self.terming = self.expired = False   # FAKE_TERM_S: a SIGTERM came; its term_s are over
         self.torchrun_exit = env("FAKE_LAUNCHER", "worker") == "torchrun"
         fmt = env("FAKE_FORMAT", "dict")
         if fmt not in ("dict", "pipe") or (fmt == "pipe" and not self.meg):
@@ -191,15 +209,21 @@ class Fake:
         """The first unfired fault for this step (step 0 faults: any launch; others: only after the resume step)."""
         for cls, s in self.faults:
             hit = (s <= step if at_least else s == step) and (s == 0 or s > self.start)
-            if hit and f"{cls}@{s}" not in self.fired and (kinds is None or cls in kinds):
-                self.fired.append(f"{cls}@{s}")
-                if self.state_path:
-                    tmp = f"{self.state_path}.tmp"
-                    with open(tmp, "w") as f:
-                        json.dump({"fired": self.fired}, f)
-                    os.replace(tmp, self.state_path)
+            if hit and (kinds is None or cls in kinds) and self.once(f"{cls}@{s}"):
                 return cls
         return None
+
+    def once(self, key: str) -> bool:
+        """Tells whether the fault `key` fires now: not fired before (with FAKE_STATE: in any launch), recorded."""
+        if key in self.fired:
+            return False
+        self.fired.append(key)
+        if self.state_path:
+            tmp = f"{self.state_path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"fired": self.fired}, f)
+            os.replace(tmp, self.state_path)
+        return True
 
     def crash(self, cls: CrashClass, step: int, **kw) -> None:
         sys.stdout.flush()
@@ -225,6 +249,8 @@ class Fake:
 
     # --- run -------------------------------------------------------------------------------------------
     def run(self) -> None:
+        if self.term_s > 0:
+            signal.signal(signal.SIGTERM, self.on_sigterm)
         reject = {f.strip().lstrip("-").replace("-", "_") for f in env("FAKE_REJECT_FLAGS", "").split(",") if f.strip()}
         bad = [tok for k in self.raw if k in reject for tok in self.raw[k]]
         if bad:
@@ -260,15 +286,41 @@ class Fake:
             time.sleep(self.step_s)
             if not self.pipe:
                 self.bar(step)
-            if step == 1 or step % self.logging_steps == 0:
+            logged = step == 1 or step % self.logging_steps == 0
+            if logged and step != self.late_log:
                 self.log(step)
             if self.pipe and step % self.save_steps == 0:
                 self.validation(step)
             if step % self.save_steps == 0 or step == self.max:
                 self.save(step)
+            if step in self.holds:
+                self.hold(self.holds[step])
+            if logged and step == self.late_log:
+                self.log(step)
             if step == self.exit_after:
                 break
         self.finish(step if self.max > self.start else self.start)
+
+    @staticmethod
+    def hold(path: str) -> None:
+        deadline = time.time() + 600
+        while not os.path.exists(path) and time.time() < deadline:
+            time.sleep(0.02)
+
+    def on_sigterm(self, signum, _frame) -> None:
+        """Goes on after SIGTERM; term_s after the first one a timer sends it again, and then it dies of it. (Only
+        the main thread may reset the handler; a second SIGTERM can run this while the first still does.)"""
+        if self.expired:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        elif not self.terming:
+            self.terming = True
+            threading.Thread(target=self.die_later, args=(signum,), daemon=True).start()
+
+    def die_later(self, signum: int) -> None:
+        time.sleep(self.term_s)
+        self.expired = True
+        os.kill(os.getpid(), signum)
 
     @property
     def jsonl(self):
@@ -472,8 +524,10 @@ class Fake:
                            "best_model_checkpoint": None, "log_history": self.log_history}, f, indent=2)
             torch_save(os.path.join(d, "training_args.bin"), {"output_dir": self.out})
             info(f"Saving model checkpoint to {d}")
-        if step == self.stale_save:
+        if step == self.stale_save and self.once(f"stale_save@{step}"):
             self.stale_copy(d, step)
+        if step == self.nonfinite_save and self.once(f"nonfinite_save@{step}"):
+            self.poison(os.path.join(d, "adapter_model.safetensors"))
         link = os.path.join(self.out, "last-checkpoint")
         if os.path.lexists(f"{link}.tmp"):
             os.remove(f"{link}.tmp")
@@ -495,6 +549,16 @@ class Fake:
                     rel = os.path.relpath(os.path.join(root, fn), pd).replace(f"iter_{prev:07d}", f"iter_{step:07d}")
                     with open(os.path.join(root, fn), "rb") as src, open(os.path.join(d, rel), "wb") as dst:
                         dst.write(src.read())
+
+    @staticmethod
+    def poison(path: str) -> None:
+        """Sets the first float32 of the file's first tensor (by data offset) to +Inf, in place."""
+        with open(path, "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+            first = min((v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"))
+            f.seek(8 + n + first)
+            f.write(struct.pack("<f", math.inf))
 
     def finish(self, step: int) -> None:
         if self.pipe:  # Megatron-LM's end of train(); ms-swift 3.x megatron logs no last_model_checkpoint
