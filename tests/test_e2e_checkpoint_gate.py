@@ -257,12 +257,7 @@ def test_a_sync_lock_held_by_another_process_defers_the_published_set_aside(tmp_
 
 
 # ---- the supervisor killed with -9 between the finding and the moves --------------------------------------
-UNKNOWN_STEP = ("bug: a range set-aside that reaches a checkpoint the tracker never scanned raises StandingError "
-                "(store/standing.py Standings.set_aside_known -> move: 'unknown -> set_aside'), after the rename, from "
-                "store/tracker.py set_aside_local; the supervisor exits 1 with a traceback")
-
-
-@pytest.mark.parametrize("scanned", [True, pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=UNKNOWN_STEP))],
+@pytest.mark.parametrize("scanned", [True, False],
                          ids=["judged_and_published_before", "saved_after_the_finding"])
 def test_a_supervisor_killed_before_the_moves_is_followed_by_one_that_moves_first(tmp_path, scanned):
     go1, go2 = tmp_path / "go1", tmp_path / "go2"

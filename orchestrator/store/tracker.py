@@ -199,8 +199,8 @@ class CheckpointTracker:
             self.seen.pop(str(d), None)
             if ckpt:
                 self.standings.set_aside_known(s, str(d), req.reason)
-            self.journal.event("quarantine", f"{d.name}: {req.cause}: moved to {target.name}, never resumed from",
-                               reason=req.reason.value, step=s)
+            self.journal.event("quarantine", f"{d.name}: {req.cause.removeprefix(f'{d.name}: ')}: moved to "
+                               f"{target.name}, never resumed from", reason=req.reason.value, step=s)
         if waiting:
             return False
         self._repoint_last_checkpoint(req.from_step, only=req.from_step if req.only_step else None)
