@@ -72,7 +72,7 @@ def drop_found_by_the_detector(times: list[tuple[int, float]]) -> list[tuple[str
         tr.pause(s)
     found = [f for step, at in times for f in tr.observe(step, at)]
     assert [f.kind for f in found] == ["throughput_drop"]
-    return [(f.kind, f.message(), f.data()) for f in found]
+    return [(f.kind, f.message, f.record()) for f in found]
 
 
 def test_a_5x_slow_spell_shows_in_the_plotted_line_not_only_in_its_marker(tmp_path):
