@@ -28,7 +28,6 @@ from orchestrator.types import USABLE, Alert, CheckpointInfo, Resume, Standing
 PRUNING = ".orchestrator-pruning-"   # a checkpoint being deleted by retention
 
 
-
 class CheckpointTracker:
     def __init__(self, recipe: Recipe, recipe_hash: str, out: Path, journal: Journal, metrics: Metrics,
                  on_saved: Callable[[], None], in_flight: InFlight | None = None, standings: Standings | None = None,
