@@ -128,6 +128,13 @@ def test_a_sync_lock_held_for_minutes_keeps_the_set_aside_pending_and_retried(wo
         assert journal(sup).get_all().get("nan_pending") and sup.ctx.standings.pending, "kept until every copy moved"
         assert any("wait for the sync lock" in e["message"] for e in events(sup, "quarantine"))
         assert "checkpoint-24" in (sup.ctx.standings.publish_refusal(24, str(sup.ctx.out / "checkpoint-24")) or "")
+        from rich.console import Console
+        from orchestrator.ops import report, status_view
+        d = report.status_data(sup.ctx.recipe, journal(sup))   # what `orchestrator status` shows an operator
+        assert d["set_aside_pending"][0]["from_step"] == 24 and d["standings"][24] == "set_aside"
+        console = Console(record=True, width=160, color_system=None)
+        status_view.status_view(sup.ctx.recipe, journal(sup), console=console)
+        assert "checkpoint-24 on (nan): published copies still to move" in console.export_text()
     finally:
         sync.os.close(fd)
     drive(sup, State.RUNNING)   # the next housekeeping moves it

@@ -100,6 +100,7 @@ def test_status_data_keeps_old_fields_and_adds_the_live_ones(opened):
     assert len(loss["recent"]) == report.LOSS_WINDOW
     assert set(d["goodput_detail"]["lost_s"]) >= {"startup", "lost_progress", "wait"}
     assert d["step_s"] and d["step_s"] > 0
+    assert d["set_aside_pending"] == [] and d["standings"][40] in ("healthy", "published")
 
 
 def test_status_view_renders_the_pieces(opened):

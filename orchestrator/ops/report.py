@@ -250,6 +250,9 @@ def status_data(r: Recipe, j: Journal, *, now: float | None = None, steps: StepL
         "goodput_detail": goodput_dict(g, 3), "costs": costs_data(attempts, kv),
         # watch mode (`orchestrator watch`): the trainer watched, and what `run` would have done
         "watching": kv.get("watching"), "advice": advice_of(j),
+        # checkpoints being set aside (store/standing.py): what is still to move, and each checkpoint's standing
+        "set_aside_pending": kv.get("set_aside_pending") or [],
+        "standings": {c["step"]: c.get("standing") for c in ckpts if c.get("standing")},
     }
 
 

@@ -81,6 +81,11 @@ def status_renderable(d: dict):
         last = h["last"]
         t.add_row("health", Text.assemble((", ".join(f"{k} ×{n}" for k, n in h["counts"].items()), "bold yellow"),
                                           f"  last: {last['kind']}: {last['message'][:160]}"))
+    for req in d.get("set_aside_pending", []):
+        left = "published copies" if req.get("local_done") else "local and published copies"
+        what = f"checkpoint-{req['from_step']}" + ("" if req.get("only_step") else " on")
+        t.add_row("set aside", Text(f"{what} ({req['reason']}): {left} still to move (retried every pass)",
+                                    style="bold yellow"))
     if d.get("watching"):
         t.add_row("watching", Text(f"pid {d['watching']} (started by hand; `orchestrator watch` advises)", style="cyan"))
     for adv in d.get("advice", [])[-3:]:
