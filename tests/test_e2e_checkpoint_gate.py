@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.host.launch.local import RUN_MARKER
+from orchestrator.host.launch import local
 from orchestrator.store.checkpoint_health import scan_safetensors
 from orchestrator.store.manifest import MANIFEST
 from orchestrator.store.rundir import run_id
@@ -57,14 +57,7 @@ def finished(p: subprocess.Popen, recipe: Path, name: str) -> int:
 
 def run_processes(out: Path) -> list[psutil.Process]:
     """The live processes of this run (the trainer and its children carry the run's marker)."""
-    rid, found = run_id(out), []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(RUN_MARKER) == rid and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
+    return local.run_processes(run_id(out))
 
 
 def kill_run(out: Path) -> None:

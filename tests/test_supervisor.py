@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.host.launch.local import RUN_MARKER
+from orchestrator.host.launch import local
 from orchestrator.store.rundir import run_id
 from orchestrator.types import CrashClass, ExitCode
 from supervised import attempts, cli, events, fake_recipe, journal, logged_steps, published_at, supervise
@@ -203,21 +203,9 @@ def test_sigterm_stops_training_gracefully_and_exits_0(tmp_path):
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
-    assert not _run_processes(tmp_path / "out")
+    assert not local.run_processes(run_id(tmp_path / "out"))
     assert "stopped" in out
     assert any("signal SIGTERM" in e["message"] for e in events(tmp_path / "out", "stop"))
-
-
-def _run_processes(out: Path) -> list[psutil.Process]:
-    rid = run_id(out)
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(RUN_MARKER) == rid and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
 
 
 def test_restarted_supervisor_stops_its_predecessors_training_first(tmp_path):
@@ -226,7 +214,7 @@ def test_restarted_supervisor_stops_its_predecessors_training_first(tmp_path):
     first = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(recipe)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_step(out, 12)
-    trainers = _run_processes(out)
+    trainers = local.run_processes(run_id(out))
     assert trainers
     first.kill()  # the supervisor dies with -9; its trainer keeps running
     first.wait()
@@ -237,7 +225,7 @@ def test_restarted_supervisor_stops_its_predecessors_training_first(tmp_path):
         old_pids = {t.pid for t in trainers}
 
         def new_trainers() -> set[int]:
-            return {p.pid for p in _run_processes(out)
+            return {p.pid for p in local.run_processes(run_id(out))
                     if "fake_trainer" in " ".join(p.cmdline()) and p.pid not in old_pids}
 
         # The attempt row is written before the launch, so wait for the new trainer process itself.
@@ -355,7 +343,7 @@ def test_spot_notice_stops_training_and_publishes_the_last_checkpoint(tmp_path):
     # the newest verified one (a save on SIGTERM may come after the one last-checkpoint names)
     assert (published_at(recipe) / f"checkpoint-{max(rows)}").is_dir(), "the final sync published the newest"
     assert rows[max(rows)], "the journal knows what reached persistent storage"
-    assert not _run_processes(tmp_path / "out")
+    assert not local.run_processes(run_id(tmp_path / "out"))
 
 
 def test_sd_notify_ready_status_watchdog_and_stopping_reach_systemd(tmp_path):
