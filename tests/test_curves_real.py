@@ -42,7 +42,10 @@ def test_no_healthy_real_series_is_stopped(name):
 
 # Megatron leaves a NaN average out of its line (no `lm loss` field) and, in that thread, its nan counter stayed 0:
 # the detectors see a step with no loss, not a NaN. A miss reported to the lead (issue 35), not tuned here.
-KNOWN_MISSES = {"issue-megatron-llm-33-nan.json": "a Megatron line with no lm loss is not read as a NaN"}
+# The unsloth thread pastes nine lines: fewer than the spike window (20 logged steps) the spike checks fill before
+# they judge, so its grad-norm spike (step 4, then ~1500x at step 9) is not judged. Reported, not tuned here.
+KNOWN_MISSES = {"issue-megatron-llm-33-nan.json": "a Megatron line with no lm loss is not read as a NaN",
+                "issue-unsloth-5207-gradnorm-spike.json": "9 lines, fewer than the 20-step spike window"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
@@ -59,3 +62,12 @@ def test_the_documented_divergence_is_at_least_warned_of_after_its_onset():
     stops, warnings, _ = measure.replay(d)
     # measured: a loss_spike warning at 13000 (5.128 after ~1), no divergence stop on these 30 lines (README)
     assert any(step >= d["onset"] for _, step in stops + warnings)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
+                                  if n in KNOWN_MISSES else n
+                                  for n, d in DOCS.items() if d["label"] == "spike"])
+def test_a_documented_spike_is_at_least_warned_of_after_its_onset(name):
+    d = DOCS[name]
+    stops, warnings, _ = measure.replay(d, fp16=measure.is_fp16(d))
+    assert any(step >= d["onset"] for _, step in stops + warnings), name
