@@ -15,7 +15,7 @@ from orchestrator.store import sync
 from orchestrator.store.published import publish_dir
 from orchestrator.store.standing import Standings
 from orchestrator.store.tracker import CheckpointTracker
-from orchestrator.types import Alert, Standing, State
+from orchestrator.types import Alert, CrashClass, Standing, State
 
 # ---- a poisoned save is never the resume point -----------------------------------------------------------
 def test_a_nonfinite_save_the_trainer_died_right_after_is_not_resumed_from(world):
@@ -155,6 +155,8 @@ def test_a_set_aside_survives_a_supervisor_killed_before_it_moved_anything(world
     drive(again, State.RUNNING)
     assert not (again.ctx.out / "checkpoint-24").exists() and list(again.ctx.out.glob("checkpoint-24.nan-attempt-1"))
     assert resumed_from(host2.trainers[-1]) == str(again.ctx.out / "checkpoint-20")
+    first = journal(again).attempts()[0]
+    assert first.cls is CrashClass.NAN_LOSS, "the NaN still counts for the crash policy (nan_loss twice gives up)"
 
 
 # ---- a finding is not lost when another outcome wins the pass -----------------------------------------------

@@ -31,7 +31,7 @@ from orchestrator.store.publisher import Publisher
 from orchestrator.store.rundir import RunLock, place, run_id, state_dir
 from orchestrator.store.standing import SetAside, Standings
 from orchestrator.store.tracker import CheckpointTracker
-from orchestrator.types import GIB, SetAsideReason, State
+from orchestrator.types import GIB, CrashClass, SetAsideReason, State
 
 
 @dataclass
@@ -179,5 +179,8 @@ def _stop_predecessor(r: Recipe, host: Host, journal: Journal, run: str, act: bo
                       pids=leftovers)
         host.terminate(run, pgids, r.supervisor.grace_s)
     if last and last.ended_at is None:
-        journal.record_attempt(replace(last, ended_at=host.now(), cls=last.cls,
-                                       evidence=("supervisor restarted while this attempt ran",)))
+        # a NaN its supervisor saw before it was killed still counts (nan_loss twice gives up): nan_pending says so
+        nan = (journal.get_all().get("nan_pending") or {}).get("attempt") == last.n
+        journal.record_attempt(replace(last, ended_at=host.now(), cls=CrashClass.NAN_LOSS if nan else last.cls,
+                                       evidence=("supervisor restarted while this attempt ran",)
+                                       + (("a NaN/Inf was logged (nan_pending)",) if nan else ())))
