@@ -132,7 +132,7 @@ def test_two_runs_one_after_the_other_keep_their_own_copies(tmp_path):
     names_b = assert_copies_are_the_runs(pub_b, sup_b.ctx.out, sup_b.hash)
     # each published its final checkpoint; which earlier ones a round reached before the next save superseded them
     # depends on timing (a round publishes only the newest healthy one)
-    assert names_a[-1] == names_b[-1] == "checkpoint-40" and set(names_b) <= {"checkpoint-20", "checkpoint-40"}
+    assert names_a[-1] == names_b[-1] == "checkpoint-40"
     assert snapshot(pub_a) == before, "run B touched run A's copies"
     r = cli("sync", str(recipe), "--once", "--json")  # A's sync after B: copies nothing, touches nothing of B's
     assert r.returncode == 0 and json.loads(r.stdout)["copied"] == 0, r.stderr
