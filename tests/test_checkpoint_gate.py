@@ -321,3 +321,27 @@ def test_a_poisoned_copy_restored_on_a_new_machine_is_checked_before_it_is_resum
             break
         a_pass(sup, host)
     assert 30 not in published_steps(sup)
+
+
+def test_a_checkpoint_set_aside_and_put_back_by_a_person_is_judged_afresh(tmp_path):
+    """The runbook's way to use a checkpoint a health stop set aside: rename it back; it is checked like a new save
+    (healthy bytes: usable again; while a move is still pending it stays aside)."""
+    out = tmp_path / "out"
+    make_megatron(out, 10)
+    make_megatron(out, 20)
+    j = Journal(tmp_path / "journal.sqlite")
+    rc = tracker(tmp_path, out, j)
+    rc.scan(0.0)
+    assert rc.wait_checks(60)
+    from orchestrator.store.standing import SetAside
+    from orchestrator.types import SetAsideReason
+    req = rc.standings.request(SetAside(20, SetAsideReason.DIVERGED, 1, "the onset of a divergence at step 20"))
+    assert rc.set_aside_local(req)
+    rc.standings.progressed(rc.standings.current(req), published=True)
+    assert rc.resume_point().step == 10
+    (moved,) = out.glob("checkpoint-20.suspect-attempt-1")
+    moved.rename(out / "checkpoint-20")   # a person looked at it and wants it
+    rc.scan(1.0)
+    assert rc.wait_checks(60)
+    assert rc.resume_point().step == 20
+    rc.close()

@@ -75,7 +75,10 @@ class CheckpointTracker:
             saved = _mtime(info.path, now)
             self.journal.record_checkpoint(info.step, info.path, info.ok, info.problems, info.loss, self.hash, saved)
             known = self.standings.of(info.step)
-            if known is not None and known.path == info.path and known.saved_at == saved \
+            # a set-aside one back under its name with no move pending: a person put it back: judged afresh
+            restored = known is not None and known.standing is Standing.SET_ASIDE \
+                and self.standings.covering(info.step) is None
+            if known is not None and known.path == info.path and known.saved_at == saved and not restored \
                     and known.standing in USABLE | {Standing.SET_ASIDE}:
                 if known.standing in USABLE and info.ok:  # judged by an earlier supervisor: its standing says so
                     self.metrics.checkpoint_saved(info.step, saved)
