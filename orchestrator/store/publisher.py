@@ -65,7 +65,7 @@ def _offline_gate(out: Path) -> Callable[[int, str], str | None]:
         standings = Standings(None)
     finally:
         if journal is not None:
-            journal.db.close()
+            journal.close()
     health = CheckpointHealth(out)
 
     def gate(step: int, path: str) -> str | None:

@@ -255,9 +255,14 @@ def sync_once(output_dir: str | os.PathLike, persistent_dir: str | os.PathLike, 
         problems += [f"local {p}" for i in infos if i.complete and not i.ok for p in i.problems]
         skipped += [f"{Path(i.path).name}: still being written" for i in infos if not i.complete]
         local = {i.step: i for i in infos if i.ok}
-        refused = {s: why for s, i in local.items() if gate is not None and (why := gate(s, i.path))}
+        refused: dict[int, str] = {}
+        if gate is not None:  # newest first, until it allows one: only the newest is published
+            for s in sorted(local, reverse=True):
+                if not (why := gate(s, local[s].path)):
+                    break
+                refused[s] = why
         local = {s: i for s, i in local.items() if s not in refused}
-        skipped += [why for s, why in sorted(refused.items()) if s > max(local, default=-1)]
+        skipped += [refused[s] for s in sorted(refused)]
         everything = _published(persistent)
         pub = {n: m for n, m in everything.items() if owned(m, recipe_hash)}
         foreign = {n: m for n, m in everything.items() if n not in pub}
