@@ -73,6 +73,7 @@ class RunContext:
         cleared when both parts are done, and a NaN's `nan_pending` with the last NaN request. Not `acting`
         (watch mode): nothing moves. Returns True when no request is left."""
         st = self.standings
+        had_nan = self.acting and any(p.reason is SetAsideReason.NAN for p in st.pending)
         for req in list(st.pending) if self.acting else ():
             if local and not req.local_done and (busy is None or req.only_step):
                 self.checkpoints.set_aside_local(req, busy or frozenset())
@@ -80,8 +81,7 @@ class RunContext:
             if now is not None and now.local_done and not now.published_done \
                     and self.publisher.set_aside_published(now, wait_s):
                 st.progressed(now, published=True)
-        if self.acting and not any(p.reason is SetAsideReason.NAN for p in st.pending) \
-                and self.journal.get_all().get("nan_pending"):
+        if had_nan and not any(p.reason is SetAsideReason.NAN for p in st.pending):
             self.journal.put(nan_pending=None)
         return not st.pending
 
@@ -144,7 +144,8 @@ def open_run(recipe: Recipe, hash_: str, host: Host, metrics: Metrics,
             metrics_port=None, completed_before=(previous.get("state") == State.COMPLETED.value
                                                  and previous.get("recipe_hash") == hash_))
         pending = previous.get("nan_pending")
-        if pending and not standings.pending:  # an earlier release saw a NaN and was killed before its quarantine
+        if pending and not any(p.reason is SetAsideReason.NAN for p in standings.pending):
+            # killed between recording the NaN and its request (or an earlier release's journal): request it now
             standings.request(SetAside(pending["step"], SetAsideReason.NAN, pending["attempt"],
                                        f"written at or after the NaN at step {pending['step']}"))
         ctx.apply_set_asides()  # what a predecessor requested: its trainer is stopped now (watch: left for `run`)
