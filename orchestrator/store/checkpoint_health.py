@@ -169,15 +169,14 @@ def max_lr(output_dir: str | os.PathLike, ckpt: str | os.PathLike, lo: int, hi: 
 
 # ---- what the tracker uses --------------------------------------------------------------------------
 class CheckpointHealth:
-    """Checks each verified checkpoint once its manifest is written (call `check` on the manifest thread)
-    and keeps what it found for the loop's thread (`take`). Remembers each checked step's weight groups,
-    so a stale copy is caught even after the checkpoint it copied was pruned."""
+    """Checks each verified checkpoint once its manifest is written (call `check` on the manifest thread; the
+    tracker applies what it returns on the loop's thread). Remembers each checked step's weight groups, so a
+    stale copy is caught even after the checkpoint it copied was pruned."""
 
     def __init__(self, output_dir: str | os.PathLike, chunk: int = CHUNK) -> None:
         self.out, self.chunk = Path(output_dir), chunk
         self.groups: dict[int, dict[str, tuple]] = {}
         self.lock = threading.Lock()
-        self.found: list[Finding] = []
 
     def check(self, path: str, step: int, mani: Mapping | None = None) -> Finding | None:
         """Both checks of checkpoint `path` (its manifest: given, else read). Never raises: a check that
@@ -212,9 +211,6 @@ class CheckpointHealth:
                 finding = Finding(HealthKind.CHECKPOINT_NONFINITE, problem, last_step=step, subject=path,
                                   details={"step": step, "tensors": list(scan.bad), "scanned_bytes": scan.bytes,
                                            "seconds": round(scan.seconds, 3)})
-        if finding is not None:
-            with self.lock:
-                self.found.append(finding)
         return finding
 
     def _on_disk(self, step: int) -> tuple[int | None, dict | None]:
@@ -225,22 +221,6 @@ class CheckpointHealth:
             if (m := manifest.read_manifest(d)) is not None:
                 return s, weight_groups(m.get("files", []))
         return None, None
-
-    def peek(self) -> list[Finding]:
-        """The findings not taken yet."""
-        with self.lock:
-            return list(self.found)
-
-    def keep(self, findings: list[Finding]) -> None:
-        """Put back findings the loop could not act on yet (the next take() returns them first)."""
-        with self.lock:
-            self.found[:0] = findings
-
-    def take(self) -> list[Finding]:
-        """The findings since the last call (the loop's thread)."""
-        with self.lock:
-            out, self.found = self.found, []
-        return out
 
 
 def unhealthy_name(path: Path, kind: str) -> Path:

@@ -142,7 +142,6 @@ class CheckpointTracker:
         check about a save that has since been replaced or set aside changes nothing."""
         with self.checked_lock:
             done, self.checked = self.checked, []
-        self.health.take()  # its findings come back through `done`
         for path, step, saved, result, unwritten in done:
             self.checks.pop(path, None)
             e = self.standings.of(step)
