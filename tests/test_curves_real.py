@@ -31,6 +31,12 @@ def test_every_series_has_a_pinned_source_a_label_and_its_drawn_split():
         # a whole run's curve, or (labelled partial) the lines a thread pastes around its failure
         assert len(steps) >= (3 if d.get("partial") else 40) and steps == sorted(set(steps)), name
         assert not d.get("partial") or d["label"] != "healthy", name
+        # a kept raw line is the point's line: the parser reads the step the point names
+        for p in d["points"]:
+            assert "line" not in p or measure.from_line(p).step == p["step"], name
+        # a resume jump names the checkpoint step resumed from; its onset is a step of the resumed attempt
+        assert ("resume_from" in d) == (d["label"] == "resume_jump"), name
+        assert "resume_from" not in d or d["resume_from"] < d["onset"], name
 
 
 @pytest.mark.parametrize("name", [n for n, d in DOCS.items() if d["label"] == "healthy"])
@@ -40,12 +46,10 @@ def test_no_healthy_real_series_is_stopped(name):
     assert len(warnings) <= max(3, n // 50), name   # warnings only, and rare (README: per 1,000 steps)
 
 
-# Megatron leaves a NaN average out of its line (no `lm loss` field) and, in that thread, its nan counter stayed 0:
-# the detectors see a step with no loss, not a NaN. A miss reported to the lead (issue 35), not tuned here.
-# The unsloth thread pastes nine lines: fewer than the spike window (20 logged steps) the spike checks fill before
-# they judge, so its grad-norm spike (step 4, then ~1500x at step 9) is not judged. Reported, not tuned here.
-KNOWN_MISSES = {"issue-megatron-llm-33-nan.json": "a Megatron line with no lm loss is not read as a NaN",
-                "issue-unsloth-5207-gradnorm-spike.json": "9 lines, fewer than the 20-step spike window"}
+# A documented failure the detectors miss is listed here (file -> why), a strict xfail: none now. The unsloth
+# thread's nine lines (a grad-norm spike ~1500x at step 9) were one until spikes were judged before the window
+# fills (loss.EARLY_SPIKE_MIN); the Megatron-LLM#33 line with no `lm loss` until the parser read it as NaN.
+KNOWN_MISSES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
@@ -71,3 +75,12 @@ def test_a_documented_spike_is_at_least_warned_of_after_its_onset(name):
     d = DOCS[name]
     stops, warnings, _ = measure.replay(d, fp16=measure.is_fp16(d))
     assert any(step >= d["onset"] for _, step in stops + warnings), name
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
+                                  if n in KNOWN_MISSES else n
+                                  for n, d in DOCS.items() if d["label"] == "resume_jump"])
+def test_a_documented_resume_jump_is_found_on_the_resumed_attempt(name):
+    d = DOCS[name]
+    stops, _, _ = measure.replay(d, fp16=measure.is_fp16(d))
+    assert stops and stops[0][0] == "resume_divergence" and stops[0][1] >= d["onset"], name

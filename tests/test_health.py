@@ -87,6 +87,9 @@ QUIET = {
     "the LR schedule's end: flat loss, lr -> 0": _lr_end,
     "eval records and save pauses in logging.jsonl": _eval_and_save_records,
     "few steps": lambda: series([7.4, 7.3, 9.0, 7.2, 7.1]),
+    # early in an attempt, before the spike window fills: a 2.5 x bump is under the raised bar (10 x 20/8 for
+    # grad norms, 3 x 20/8 for the loss)
+    "an early bump, 8 steps in": lambda: series([2.0] * 8 + [5.0] + [2.0] * 30, [1.0] * 8 + [20.0] + [1.0] * 30),
     "each step reported twice (stdout and logging.jsonl)": lambda: _twice(series(noisy(200, 2.0, 0.05))),
     "logging_steps 10": lambda: series(noisy(200, 1.2, 0.08), every=10),
     "a loss near zero wobbling (memorised data)": lambda: series([0.01 + 0.02 * (i % 3) for i in range(300)]),
@@ -126,11 +129,17 @@ RAISE = {
                           DEFAULTS, [HealthKind.GRAD_NORM_SPIKE], 31),
     "loss over health.loss_max": (lambda: series([2.0] * 30 + [11.0] + [2.0] * 30), HealthSection(loss_max=10),
                                   [HealthKind.LOSS_LIMIT, HealthKind.LOSS_SPIKE], 31),
+    # 150 x the level of the ten steps before: a spike too, judged before the window fills (bar x 20/10)
     "grad norm over health.grad_norm_max": (lambda: series([2.0] * 40, [1.0] * 10 + [150.0] + [1.0] * 29),
-                                            HealthSection(grad_norm_max=100), [HealthKind.GRAD_NORM_LIMIT], 11),
+                                            HealthSection(grad_norm_max=100),
+                                            [HealthKind.GRAD_NORM_LIMIT, HealthKind.GRAD_NORM_SPIKE], 11),
+    "an early spike, before the window fills": (lambda: series([2.0] * 40, [1.0] * 6 + [40.0] + [1.0] * 33),
+                                                DEFAULTS, [HealthKind.GRAD_NORM_SPIKE], 7),
     "the field's divergence: 1.42 -> 2.5 and grad norms up": (_field_divergence, DEFAULTS, [HealthKind.LOSS_DIVERGENCE], None),
-    "real CPU demo at lr 3.0: its grad norm jumps 14 x at step 41": (
-        lambda: real_jsonl("demo-lr3-100steps.logging.jsonl"), DEFAULTS, [HealthKind.GRAD_NORM_SPIKE], 41),
+    # 16 x its level at step 17 (judged early: 16 steps in, bar 10 x 20/16), 14 x at step 41
+    "real CPU demo at lr 3.0: its grad norm jumps 16 x at step 17 and 14 x at step 41": (
+        lambda: real_jsonl("demo-lr3-100steps.logging.jsonl"), DEFAULTS,
+        [HealthKind.GRAD_NORM_SPIKE, HealthKind.GRAD_NORM_SPIKE], None),
     "a creeping loss with grad norms up": (_creeping_with_grad_norms, DEFAULTS, [HealthKind.LOSS_DIVERGENCE], None),
 }
 

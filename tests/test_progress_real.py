@@ -186,7 +186,13 @@ MEGATRON_NOW = (" [2026-01-20 08:33:58.123456] iteration        5/     206 | con
 
 @pytest.mark.parametrize("line,loss_nan,grad", [
     (MEGATRON_NOW, False, 1.105),
-    (MEGATRON_NOW.replace("lm loss: 1.180399E+00 | ", ""), False, 1.105),          # loss left out: unknown, not NaN
+    # a loss average left out with no iteration skipped: Megatron-LM drops a NaN average (Megatron-LLM#33)
+    (MEGATRON_NOW.replace("lm loss: 1.180399E+00 | ", ""), True, 1.105),
+    # ... but with iterations skipped (fp16 overflow) the average may be of nothing: unknown, not NaN
+    (MEGATRON_NOW.replace("lm loss: 1.180399E+00 | ", "").replace("skipped iterations:   0", "skipped iterations:   1")
+     .replace("loss scale: 1.0", "loss scale: 65536.0"), False, 1.105),
+    # ... and a line with fields of its own (an RL trainer's reward; its loss may be negative) says nothing
+    (MEGATRON_NOW.replace("lm loss: 1.180399E+00 | ", "reward: 0.25 | "), False, 1.105),
     (MEGATRON_NOW.replace("1.180399E+00", "NAN"), True, 1.105),                    # ms-swift 3.x prints it
     (MEGATRON_NOW.replace("1.105", "nan"), False, "nan"),
     (MEGATRON_NOW.replace("1.105", "inf"), False, math.inf),

@@ -268,7 +268,8 @@ class HealthSection(_Section):
     grad_norm_max: float | None = Field(default=None, gt=0)
     # Spike (a warning): above median + spike_mads x MAD of the last spike_window logged steps and above
     # spike_min_ratio x that median (grad norms: grad_norm_spike_min_ratio). A real batch-2 SFT loss reaches
-    # 2.55 x its median, its grad norm 5.2 x: normal noise must not count.
+    # 2.55 x its median, its grad norm 5.2 x: normal noise must not count. Before spike_window steps are in
+    # (from 5 on), both bars are raised by spike_window / steps in.
     spike_window: int = Field(default=20, ge=5)
     spike_mads: float = Field(default=10.0, gt=0)
     spike_min_ratio: float = Field(default=3.0, gt=1)

@@ -39,6 +39,12 @@ _LOSS_KEYS = ("loss", "lm loss")  # ms-swift 3.x megatron's logging.jsonl keeps 
 _PIPE = re.compile(r"(?:^|[\s\]>:])iteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 # Fields of a training step; a line with the iteration field and none of these is no step.
 _PIPE_STEP_FIELDS = ("consumed samples", "lm loss", "loss", "grad norm", "number of nan iterations")
+# What Megatron-LM's training_log prints of a pretraining or sft step besides its losses.
+_PIPE_FIELDS = frozenset((
+    "consumed samples", "consumed tokens", "elapsed time per iteration (ms)", "throughput per GPU (TFLOP/s/GPU)",
+    "learning rate", "decoupled learning rate", "global batch size", "loss scale", "grad norm", "num zeros",
+    "params norm", "number of skipped iterations", "number of nan iterations", "memory(GiB)", "actual seqlen",
+    "samples per second", "TFLOPs", "elapsed time", "elapsed time per iteration", "remaining time"))
 
 
 def _number(v: object) -> float | None:
@@ -97,8 +103,9 @@ def parse_pipe_line(line: str) -> Progress | None:
 
     The loss is `lm loss` (sft, pretraining) or `loss` (ms-swift's RL trainers); `mtp_1 loss`,
     `load_balancing_loss` and other extra losses are not it. `number of nan iterations` > 0 makes the loss NaN:
-    Megatron counts the iterations whose loss was NaN/Inf apart and leaves them out of the average it prints
-    (Megatron-LM drops a NaN average from the line altogether), so the count is what says the loss went bad.
+    Megatron counts the skipped iterations whose loss was NaN/Inf apart and leaves them out of the average it
+    prints. An iteration it did not skip adds its NaN to the average, which Megatron-LM then drops from the line
+    altogether (epfLLM/Megatron-LLM#33: nan counter 0, no `lm loss`): `_loss_left_out` reads that as NaN.
     """
     m = _PIPE.search(line)
     if not m:
@@ -112,14 +119,24 @@ def parse_pipe_line(line: str) -> Progress | None:
         return None
     loss = _number(fields.get("lm loss", fields.get("loss")))
     nan_iterations = _number(fields.get("number of nan iterations"))
-    if nan_iterations:
+    skipped = _number(fields.get("number of skipped iterations"))
+    if nan_iterations or (loss is None and _loss_left_out(fields, skipped)):
         loss = math.nan
     ms = _number(fields.get("elapsed time per iteration (ms)"))
-    skipped = _number(fields.get("number of skipped iterations"))
     return Progress(step=int(m.group(1)), max_steps=int(m.group(2)), loss=loss,
                     grad_norm=_number(fields.get("grad norm")), lr=_number(fields.get("learning rate")),
                     memory_gib=_number(fields.get("memory(GiB)")), step_s=ms / 1000.0 if ms is not None else None,
                     skipped=int(skipped) if skipped is not None and math.isfinite(skipped) else None)
+
+
+def _loss_left_out(fields: dict[str, str], skipped: float | None) -> bool:
+    """Tells whether a pipe line without a loss field says the loss was NaN: Megatron-LM prints a loss average
+    only when it is >= 0 (`if avg >= 0.0`), and sums the losses of every iteration it did not skip; with none
+    skipped (`number of skipped iterations: 0`, or `loss scale: 1.0` where the field is cut off: bf16/fp32 skip
+    nothing), a cross-entropy average left out is NaN. A line with fields of its own (an RL trainer's reward,
+    whose loss may be negative) says nothing."""
+    none_skipped = skipped == 0 or (skipped is None and _number(fields.get("loss scale")) == 1.0)
+    return none_skipped and all(k in _PIPE_FIELDS or k.endswith((" loss", "_loss")) for k in fields)
 
 
 def parse_dict_line(line: str) -> Progress | None:

@@ -21,6 +21,10 @@ from orchestrator.domain.health.detector import Detector, Snapshot, Start
 from orchestrator.domain.health.kinds import DIVERGENCE_KINDS, Finding
 from orchestrator.types import HealthKind, Progress
 
+# The fewest logged steps a spike is judged against, early in an attempt, before spike_window are in.
+EARLY_SPIKE_MIN = 5
+
+
 def robust_level(values: Sequence[float]) -> tuple[float, float]:
     """The median of `values` and their median absolute deviation from it."""
     med = statistics.median(values)
@@ -159,8 +163,10 @@ class LossHealth:
     def _spike(self, kind: HealthKind, what: str, history: deque[float], step: int, value: float,
                min_ratio: float) -> list[Finding]:
         found: list[Finding] = []
-        if len(history) == history.maxlen:
-            level, threshold = spike_threshold(history, self.cfg.spike_mads, min_ratio)
+        if len(history) >= min(EARLY_SPIKE_MIN, history.maxlen or 0):
+            # before the window fills, fewer steps judge: the bar rises as they are fewer (x window / steps in)
+            scale = (history.maxlen or 1) / len(history)
+            level, threshold = spike_threshold(history, self.cfg.spike_mads * scale, min_ratio * scale)
             if self.latches[kind].update(value > threshold):
                 found.append(Finding(kind, f"{what} {value:.4g} at step {step} is a spike: the median of the last "
                                            f"{len(history)} logged steps is {level:.4g}, the spike threshold "
