@@ -39,6 +39,8 @@ Environment:
   FAKE_TERM_S=S     on SIGTERM the trainer goes on for S seconds (finishing a save, a rank stuck in a collective)
                     before it dies of it; default 0: dies at once
   FAKE_REJECT_FLAGS comma list of flag names; if one is passed: `ValueError: remaining_argv: [...]`, exit 1
+  FAKE_CURVE        a real curve (tests/fixtures/curves/*.json): step k logs the loss and grad norm of its k-th
+                    point (a point without a grad norm logs none), as the run it was transcribed from logged them
   FAKE_FORMAT       dict (default: ms-swift 4.x, the stdout dict and logging.jsonl) | pipe (megatron backend: what
                     ms-swift 3.x's Megatron backend prints, release/3.12 trainers/base.py training_log: Megatron-LM's
                     pipe-separated iteration line plus memory/elapsed/remaining, a validation block before each save,
@@ -185,6 +187,10 @@ class Fake:
         self.last_ckpt = None
         self.log_history: list[dict] = []
         self.losses: list[float] = []
+        self.curve: list[dict] = []
+        if env("FAKE_CURVE"):
+            with open(env("FAKE_CURVE")) as f:
+                self.curve = json.load(f)["points"]
 
     # --- flags ---------------------------------------------------------------------------------------
     def get(self, key, default=None):
@@ -199,9 +205,17 @@ class Fake:
             return default
         return (self.opts[key] or ["true"])[0].lower() in ("true", "1", "yes")
 
-    # --- deterministic training curve: f(step) only ----------------------------------------------------
-    def loss(self, k): return float("nan") if self.nan else 2.0 * math.exp(-k / 50) + 0.5 + 0.02 * math.sin(1.7 * k)
-    def grad_norm(self, k): return float("nan") if self.nan else 0.3 + 0.5 * math.exp(-k / 20) + 0.05 * abs(math.sin(0.37 * k))
+    # --- deterministic training curve: f(step) only, or a real one (FAKE_CURVE) -----------------------------
+    def loss(self, k):
+        if self.curve and k <= len(self.curve):
+            return self.curve[k - 1].get("loss")
+        return float("nan") if self.nan else 2.0 * math.exp(-k / 50) + 0.5 + 0.02 * math.sin(1.7 * k)
+
+    def grad_norm(self, k):
+        if self.curve and k <= len(self.curve):
+            return self.curve[k - 1].get("grad_norm")
+        return float("nan") if self.nan else 0.3 + 0.5 * math.exp(-k / 20) + 0.05 * abs(math.sin(0.37 * k))
+
     def lr(self, k): return self.lr_max * 0.5 * (1 + math.cos(math.pi * k / max(self.max, 1)))
 
     # --- faults ------------------------------------------------------------------------------------------
@@ -569,7 +583,7 @@ class Fake:
         if not self.meg:
             el = time.time() - self.t_train
             n = max(step - self.start, 1)
-            done = [x for x in self.losses if not math.isnan(x)]
+            done = [x for x in self.losses if x is not None and not math.isnan(x)]
             summary = {"train_runtime": round(el, 4), "train_samples_per_second": round(16 * n / el, 3),
                        "train_steps_per_second": round(n / el, 3),
                        "train_loss": round(sum(done) / len(done), 8) if done else float("nan"),
