@@ -107,3 +107,34 @@ def test_act_dispatches_on_the_row(kind, want):
     sit = action.Situation(on_divergence="stop", on_slowdown="restart", verified_steps=(10,), resumed_from=19,
                            now=10_000.0)
     assert action.act(f, sit).action == want
+
+
+def test_throughput_is_a_timed_detector_of_the_list_measured_against_earlier_attempts():
+    cfg = HealthSection(slowdown_ratio=1.5, slowdown_window_s=8)
+    assert [d.name for d in DETECTORS if d.requires == "timed"] == ["throughput"]
+    watch = HealthWatch(cfg)
+    watch.attempt(None)
+    t, step, found = 0.0, 0, []
+
+    def run(n: int, s_per_step: float, now_given: bool = True) -> None:
+        nonlocal t, step
+        for _ in range(n):
+            step, t = step + 1, t + s_per_step
+            found.extend(watch.observe(Progress(step=step, loss=2.0), t if now_given else None))
+
+    run(60, 1.0)
+    assert watch.throughput is not None and watch.throughput.baseline_s == pytest.approx(1.0)
+    watch.paused(step)                     # a save after this step: the next gap is the save's, not training's
+    t += 500.0
+    run(20, 1.0)
+    assert found == []
+    # a relaunch onto a degraded machine: slow from its first step, judged against the earlier attempt's baseline
+    watch.attempt(step)
+    run(60, 3.0)
+    assert [f.kind for f in found] == [HealthKind.THROUGHPUT_DROP]
+    assert found[0].details["baseline_s"] == pytest.approx(1.0)
+    # untimed records (a replay of logged steps) feed the step detectors only
+    watch.attempt(step)
+    found.clear()
+    run(60, 3.0, now_given=False)
+    assert found == [] and watch.throughput.baseline_s is None

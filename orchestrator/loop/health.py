@@ -2,9 +2,9 @@
 was logged before, progress lines the parser cannot read, and the attempt's throughput.
 
     start(a)         a new attempt: HealthWatch.attempt (the run's logged steps on this supervisor's first
-                     launch), a new ThroughputTracker against the best baseline of earlier attempts
-    observe(a, ...)  feeds what the pass read to the detectors (domain/health/: the HealthWatch's list and the
-                     throughput tracker) and takes the machine's evidence at a throughput drop -> HealthSeen, the
+                     launch; the throughput detector measures against the best baseline of earlier attempts)
+    observe(a, ...)  feeds what the pass read to the detectors (domain/health/: the HealthWatch's list) and
+                     takes the machine's evidence at a throughput drop -> HealthSeen, the
                      findings as facts with the Situation deciding them needs (a frozen value for the Observation)
     decide(seen)     pure: each finding's action (domain/health/action.act), folded into what judge reads
                      (loop/running.py decides them together with the pass's other outcomes)
@@ -22,7 +22,7 @@ from orchestrator.domain.health.action import HealthAction, Situation, rollbacks
 from orchestrator.domain.health.kinds import DIVERGENCE_KINDS, Finding
 from orchestrator.domain.health.skipped_steps import fp16_run
 from orchestrator.domain.health.slowdown_clues import clues
-from orchestrator.domain.health.throughput import ThroughputParams, ThroughputTracker
+from orchestrator.domain.health.throughput import ThroughputTracker
 from orchestrator.domain.health.watch import HealthWatch
 from orchestrator.host.base import Host
 from orchestrator.host.metrics import Metrics
@@ -98,8 +98,7 @@ class RunHealth:
     def __init__(self, ctx: RunContext, host: Host, metrics: Metrics):
         self.ctx, self.cfg, self.host, self.metrics = ctx, ctx.recipe.health, host, metrics
         self.watch = HealthWatch(self.cfg, ctx.recipe.checkpoint.resume_loss_tolerance, fp16_run(ctx.recipe))
-        self.throughput: ThroughputTracker | None = None   # the running training attempt's
-        self.baseline_s: float | None = None    # the fastest baseline of this supervisor's attempts
+        self.training = False                   # the attempt trains (an export does not: no detectors)
         self.suspect_from: int | None = None    # after a set-aside: what was logged from here is no reference
         self.retrying_resume = False            # this attempt is the relaunch after a suspect resume checkpoint
         self.next_is_retry = False              # ... and the next one will be
@@ -109,8 +108,8 @@ class RunHealth:
 
     def start(self, a: AttemptWatch) -> None:
         """A new attempt: the detectors learn where it resumes from (an export trains nothing: no detectors)."""
-        if a.row.kind == AttemptKind.EXPORT:
-            self.throughput = None
+        self.training = a.row.kind != AttemptKind.EXPORT
+        if not self.training:
             return
         history = None if self.history_read else self._logged()
         self.history_read = True
@@ -124,11 +123,11 @@ class RunHealth:
                            suspect_from=suspect)
         self.suspect_from = None
         self.retrying_resume, self.next_is_retry = self.next_is_retry, False
-        if self.throughput and self.throughput.baseline_s:
-            self.baseline_s = min(self.baseline_s or self.throughput.baseline_s, self.throughput.baseline_s)
-        self.throughput = ThroughputTracker(ThroughputParams.from_health(self.cfg.slowdown_ratio,
-                                                                         self.cfg.slowdown_window_s),
-                                            reference_s=self.baseline_s)
+
+    @property
+    def throughput(self) -> ThroughputTracker | None:
+        """The training attempt's throughput watch (the HealthWatch's throughput detector)."""
+        return self.watch.throughput if self.training else None
 
     @property
     def alive_mono(self) -> float | None:
@@ -139,24 +138,22 @@ class RunHealth:
         """Feeds one pass's reading to the detectors; returns what they found (facts: nothing is decided here) and
         the Situation deciding it needs, with the machine's evidence at a throughput drop."""
         lines, saves = a.take_read()
-        if a.row.kind == AttemptKind.EXPORT or self.throughput is None:
+        if self.throughput is None:
             return HealthSeen()
         found = [f for line, parsed in lines for f in self.watch.line(line, mono, parsed)]
-        found += [f for p in fresh for f in self.watch.observe(p)]
-        self.metrics.loss_level(self.watch.loss_level)
-        tr = self.throughput
         for step in saves:
-            tr.pause(step)
-        slow = [f for p in fresh for f in tr.observe(p.step, now)]
-        if tr.ratio is not None:
-            self.metrics.throughput(tr.ratio)
+            self.watch.paused(step)
+        found += [f for p in fresh for f in self.watch.observe(p, now)]
+        self.metrics.loss_level(self.watch.loss_level)
+        if self.throughput.ratio is not None:
+            self.metrics.throughput(self.throughput.ratio)
         situation = Situation(
             self.cfg.on_divergence, self.cfg.on_slowdown, tuple(self.ctx.checkpoints.good_steps()) if found else (),
             tuple(rollbacks_of(self.ctx.journal.events_of(DIVERGENCE_KINDS)))
             if any(f.kind in DIVERGENCE_KINDS for f in found) else (),
             a.resume.step if a.resume is not None else None, self.retrying_resume, now, self.last_restart_at)
         self._forget_suspect(a)
-        return HealthSeen(tuple(self._evidence(a, f) for f in found + slow), situation)
+        return HealthSeen(tuple(self._evidence(a, f) for f in found), situation)
 
     def _evidence(self, a: AttemptWatch, f: Finding) -> Found:
         """A finding with the machine's evidence at a throughput drop (what else was busy, I/O), for its event."""

@@ -21,8 +21,9 @@ too slowly to show a drop and is not used here.
                   -> `throughput_drop` (once). Recovered: the ratio back under `recover_ratio` (hysteresis,
                   so a run at the threshold does not flap) -> `throughput_recovered` (once).
 
-The tracker is fed step records and returns each transition exactly once; the loop journals it, takes
-the machine's evidence (host/slowdown_evidence.py) and applies action.slowdown_action.
+The tracker is the "timed" detector of HealthWatch's list (DETECTOR): fed every step record with the time it
+was read and every save or evaluation step, it returns each transition exactly once; the loop journals it, takes
+the machine's evidence (host/slowdown_evidence.py) and acts as action.act says (health.on_slowdown).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
+from orchestrator.domain.health.detector import Detector, Snapshot, Start
 from orchestrator.domain.health.kinds import Finding
 from orchestrator.types import HealthKind
 
@@ -88,6 +90,13 @@ class ThroughputTracker:
     acc: tuple[float, int] = (0.0, 0)       # the measurement being gathered: (seconds, steps)
     slow_since: float | None = None
     dropped: Finding | None = None          # the open drop, until recovered
+
+    def __call__(self, snap: Snapshot) -> list[Finding]:
+        """The transitions of a snapshot: a step record read at snap.now, or a pause after snap.paused_after."""
+        if snap.paused_after is not None:
+            self.pause(snap.paused_after)
+            return []
+        return [] if snap.record is None else self.observe(snap.record.step, snap.now)
 
     def pause(self, step: int) -> None:
         """The trainer saved or evaluated after `step`: the gap starting there is not training time."""
@@ -167,3 +176,12 @@ class ThroughputTracker:
         if self.baseline_s is None or len(self.gaps) < self.params.min_gaps:
             return None
         return median(g for _, g in self.gaps) / self.baseline_s
+
+
+def _start(start: Start) -> ThroughputTracker:
+    """A throughput watch for one attempt, measured against its own baseline or the fastest of earlier ones."""
+    return ThroughputTracker(ThroughputParams.from_health(start.cfg.slowdown_ratio, start.cfg.slowdown_window_s),
+                             reference_s=start.baseline_s)
+
+
+DETECTOR = Detector("throughput", "timed", _start)
