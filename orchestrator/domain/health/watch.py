@@ -68,8 +68,9 @@ class HealthWatch:
                    and (suspect_from is None or s < suspect_from)}
         kept = [self.logged[s] for s in sorted(self.logged) if resume_step is not None and s <= resume_step]
         self.logged = {p.step: p for p in kept}
-        if (earlier_s := getattr(self.throughput, "baseline_s", None)) is not None:
-            self.baseline_s = min(self.baseline_s or earlier_s, earlier_s)
+        ended = self.throughput   # the attempt before: its baseline is a reference for this one
+        if ended is not None and ended.baseline_s is not None:
+            self.baseline_s = min(self.baseline_s or ended.baseline_s, ended.baseline_s)
         self._start(Start(self.cfg, resume_step, kept, earlier, weights_only, self.fp16, self.resume_loss_tolerance,
                           self.baseline_s))
         self.last_step = resume_step
