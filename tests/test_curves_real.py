@@ -53,8 +53,12 @@ def test_no_healthy_real_series_is_stopped(name):
 # 3 logged steps, so one line is an outlier it drops, as it must for a resume's first-step bump. The unsloth
 # thread's nine lines (a grad-norm spike ~1500x at step 9) were one until spikes were judged before the window
 # fills (loss.EARLY_SPIKE_MIN); the Megatron-LLM#33 line with no `lm loss` until the parser read it as NaN.
+# xlnet#124 (12 lines) and the GaussianImage note (14 lines) document slow divergences: the divergence check
+# compares medians of divergence_window (20) logged steps, more lines than either source holds.
 KNOWN_MISSES = {"issue-apex-493-fp16-spike.json": "5 validation losses, one per epoch: too few to judge a spike",
-                "issue-chainer-1733-resume-jump.json": "a one-line jump: the median-of-3 edge level drops it"}
+                "issue-chainer-1733-resume-jump.json": "a one-line jump: the median-of-3 edge level drops it",
+                "issue-xlnet-124-pretrain-divergence.json": "12 lines, a slow rise (7.60 -> 7.93): under a 20-step window",
+                "gaussianimage-adam-divergence-1600.json": "14 sparse lines (0.071 -> 0.31): under a 20-step window"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
@@ -66,11 +70,14 @@ def test_a_documented_nan_stops_the_run_at_its_onset(name):
     assert stops and stops[0] == ("nan_andon", d["onset"]), name
 
 
-def test_the_documented_divergence_is_at_least_warned_of_after_its_onset():
-    d = DOCS["issue-deeplab-lfov-5-divergence.json"]
-    stops, warnings, _ = measure.replay(d)
-    # measured: a loss_spike warning at 13000 (5.128 after ~1), no divergence stop on these 30 lines (README)
-    assert any(step >= d["onset"] for _, step in stops + warnings)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
+                                  if n in KNOWN_MISSES else n
+                                  for n, d in DOCS.items() if d["label"] == "divergence"])
+def test_a_documented_divergence_is_at_least_warned_of_after_its_onset(name):
+    d = DOCS[name]
+    stops, warnings, _ = measure.replay(d, fp16=measure.is_fp16(d))
+    # measured on deeplab-lfov#5: a loss_spike warning at 13000 (5.128 after ~1), no divergence stop on its 30 lines
+    assert any(step >= d["onset"] for _, step in stops + warnings), name
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
