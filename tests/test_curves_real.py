@@ -61,38 +61,33 @@ KNOWN_MISSES = {"issue-apex-493-fp16-spike.json": "5 validation losses, one per 
                 "gaussianimage-adam-divergence-1600.json": "14 sparse lines (0.071 -> 0.31): under a 20-step window"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
-                                  if n in KNOWN_MISSES else n
-                                  for n, d in DOCS.items() if d["label"] == "nan"])
-def test_a_documented_nan_stops_the_run_at_its_onset(name):
+def labelled(label: str) -> list:
+    """The series labelled `label`, as test parameters: a known miss is a strict xfail with its reason."""
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n])) if n in KNOWN_MISSES
+            else n for n, d in DOCS.items() if d["label"] == label]
+
+
+def replayed(name: str) -> tuple[list, list, dict]:
+    """(stops, warnings, the series) of one series, replayed as measure.py replays it."""
     d = DOCS[name]
-    stops, _, _ = measure.replay(d, fp16=measure.is_fp16(d))
+    stops, warnings, _ = measure.replay(d, fp16=measure.is_fp16(d))
+    return stops, warnings, d
+
+
+@pytest.mark.parametrize("name", labelled("nan"))
+def test_a_documented_nan_stops_the_run_at_its_onset(name):
+    stops, _, d = replayed(name)
     assert stops and stops[0] == ("nan_andon", d["onset"]), name
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
-                                  if n in KNOWN_MISSES else n
-                                  for n, d in DOCS.items() if d["label"] == "divergence"])
-def test_a_documented_divergence_is_at_least_warned_of_after_its_onset(name):
-    d = DOCS[name]
-    stops, warnings, _ = measure.replay(d, fp16=measure.is_fp16(d))
-    # measured on deeplab-lfov#5: a loss_spike warning at 13000 (5.128 after ~1), no divergence stop on its 30 lines
+# deeplab-lfov#5 (30 lines): a loss_spike warning at 13000 (5.128 after ~1); no divergence stop on so few lines
+@pytest.mark.parametrize("name", labelled("divergence") + labelled("spike"))
+def test_a_documented_divergence_or_spike_is_at_least_warned_of_after_its_onset(name):
+    stops, warnings, d = replayed(name)
     assert any(step >= d["onset"] for _, step in stops + warnings), name
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
-                                  if n in KNOWN_MISSES else n
-                                  for n, d in DOCS.items() if d["label"] == "spike"])
-def test_a_documented_spike_is_at_least_warned_of_after_its_onset(name):
-    d = DOCS[name]
-    stops, warnings, _ = measure.replay(d, fp16=measure.is_fp16(d))
-    assert any(step >= d["onset"] for _, step in stops + warnings), name
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n]))
-                                  if n in KNOWN_MISSES else n
-                                  for n, d in DOCS.items() if d["label"] == "resume_jump"])
+@pytest.mark.parametrize("name", labelled("resume_jump"))
 def test_a_documented_resume_jump_is_found_on_the_resumed_attempt(name):
-    d = DOCS[name]
-    stops, _, _ = measure.replay(d, fp16=measure.is_fp16(d))
+    stops, _, d = replayed(name)
     assert stops and stops[0][0] == "resume_divergence" and stops[0][1] >= d["onset"], name
