@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from by_hand import kill_unseen, start_by_hand, start_reaped, watcher
+from by_hand import attach_watcher, kill_unseen, start_by_hand, start_reaped
 from supervised import attempts, cli, events, fake_recipe, journal, supervise, wait_for
 
 from orchestrator.types import AttemptKind, CrashClass
@@ -22,11 +22,7 @@ def attach(tmp: Path, recipe: Path, procs: list, *args: str, **env: str) -> tupl
     """Starts the trainer by hand, then the watcher; continues the trainer once the watcher attached."""
     trainer, _log = start_by_hand(recipe, **env)
     procs.append(trainer)
-    w = watcher(str(recipe), *args, cwd=tmp)
-    procs.append(w)
-    assert wait_for(lambda: events(tmp / "out", "watch") or w.poll() is not None, 120, 0.05)
-    assert w.poll() is None, (tmp / "watch.err").read_text()
-    os.kill(trainer.pid, signal.SIGCONT)
+    w = attach_watcher(tmp, recipe, trainer.pid, procs, *args)
     return trainer, w
 
 
@@ -188,11 +184,7 @@ def attach_reaped(tmp: Path, recipe: Path, procs: list, *args: str, **env: str) 
     watcher never sees its exit status."""
     parent, pid = start_reaped(recipe, **env)
     procs.append(parent)
-    w = watcher(str(recipe), *args, cwd=tmp)
-    procs.append(w)
-    assert wait_for(lambda: events(tmp / "out", "watch") or w.poll() is not None, 120, 0.05)
-    assert w.poll() is None, (tmp / "watch.err").read_text()
-    os.kill(pid, signal.SIGCONT)
+    w = attach_watcher(tmp, recipe, pid, procs, *args)
     return pid, w
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import signal
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from by_hand import kill_group, kill_unseen, start_by_hand, start_reaped, watcher
+from by_hand import attach_watcher, kill_group, kill_unseen, start_by_hand, start_reaped
 from supervised import attempts, cli, events, journal, wait_for
 from swift_recipe import recipe_file
 
@@ -63,11 +62,7 @@ def attach(tmp: Path, r: Path, procs: list, *args: str, reaped: bool = False) ->
         trainer, _log = start_by_hand(r)
         procs.append(trainer)
         pid = trainer.pid
-    w = watcher(str(r), *args, cwd=tmp)
-    procs.append(w)
-    assert wait_for(lambda: events(tmp / "out", "watch") or w.poll() is not None, 120, 0.05)
-    assert w.poll() is None, (tmp / "watch.err").read_text()
-    os.kill(pid, signal.SIGCONT)
+    w = attach_watcher(tmp, r, pid, procs, *args)
     return pid, w
 
 

@@ -15,6 +15,7 @@ import psutil
 from orchestrator.config.recipe import load
 from orchestrator.config.render.command import render_command
 from orchestrator.host.launch.local import resolve
+from supervised import events, wait_for
 
 _GROUPS: set[int] = set()  # the process groups start_by_hand made (each trainer leads its own session)
 
@@ -116,3 +117,15 @@ def kill_unseen(pid: int, watcher_pid: int, timeout: float = 60) -> None:
         assert not psutil.pid_exists(pid), f"pid {pid} was not reaped"
     finally:
         os.kill(watcher_pid, signal.SIGCONT)
+
+
+def attach_watcher(tmp: Path, recipe: Path, pid: int, procs: list, *args: str) -> subprocess.Popen:
+    """Starts `orchestrator watch RECIPE ARGS` for the trainer `pid` (stopped at birth), waits until the watcher
+    has attached (its `watch` event), then continues the trainer: no race with a short run. Returns the watcher,
+    also added to `procs`."""
+    w = watcher(str(recipe), *args, cwd=tmp)
+    procs.append(w)
+    assert wait_for(lambda: events(tmp / "out", "watch") or w.poll() is not None, 120, 0.05)
+    assert w.poll() is None, (tmp / "watch.err").read_text()
+    os.kill(pid, signal.SIGCONT)
+    return w
